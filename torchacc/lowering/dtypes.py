@@ -16,6 +16,7 @@ TORCH_TO_JAX = {
     torch.int16: jnp.int16,
     torch.int8: jnp.int8,
     torch.uint8: jnp.uint8,
+    torch.uint32: jnp.uint32,
     torch.bool: jnp.bool_,
     torch.complex64: jnp.complex64,
     torch.complex128: jnp.complex128,

@@ -1,0 +1,27 @@
+"""torchacc: record PyTorch training steps on a lazy device and run them as XLA programs (JAX).
+
+Public API::
+
+    dev = torchacc.device()          # torch.device('torchacc', 0)
+    torchacc.sync()                  # = mark_step(): compile (first time) and launch the step
+    torchacc.sync(wait=True)         # ... and wait for the device
+    torchacc.metrics.metrics_report()
+"""
+
+from torchacc import _jaxconfig  # noqa: F401  (before JAX makes any array)
+from torchacc import compile as _compile
+from torchacc import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
+from torchacc import metrics
+from torchacc.device import device, device_hw, jax_device, platform
+from torchacc.execute import sync, wait_device_ops
+from torchacc.tensor import LazyTensor
+from torchacc import _factories  # noqa: F401  (device= factories route here)
+
+mark_step = sync
+
+_compile.enable_persistent_cache()
+
+__all__ = [
+    "LazyTensor", "device", "device_hw", "jax_device", "mark_step", "metrics", "platform", "sync",
+    "wait_device_ops",
+]

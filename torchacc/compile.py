@@ -1,0 +1,249 @@
+"""Pending graph -> structural key -> one jitted JAX program, cached in memory and on disk.
+
+Note [What a compiled step is keyed on]
+The key is the graph's structure: for every node its op and static signature (input shapes,
+strides, dtypes, static arguments, the *kinds* of its runtime scalars), how nodes connect, the
+inputs' shapes and dtypes, which outputs are returned and which inputs are donated. It never holds
+data or Python scalar values: scalars (learning rate, loss scale, bias corrections) are gathered
+into two runtime vectors, one float64 and one int64, so a schedule that changes them every step
+reuses the same executable.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from torchacc import metrics
+from torchacc.graph import ScalarSlot, TensorSlot
+from torchacc.lowering.dtypes import jdtype
+
+_cache: dict = {}
+_persistent_hits = [0]
+
+
+def _on_event(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _persistent_hits[0] += 1
+
+
+def enable_persistent_cache(path=None):
+    """Keep compiled programs under ``path`` (TORCHACC_CACHE_DIR, default ~/.cache/torchacc)."""
+    path = path or os.environ.get("TORCHACC_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torchacc")
+    if path.lower() in ("0", "off", "none"):
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+class Graph:
+    """The nodes needed to compute ``outputs``, in topological order, and their inputs."""
+
+    __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate")
+
+    def __init__(self, outputs, donatable=None):
+        order, inputs = _collect(outputs)
+        ids = {}
+        for v in inputs:
+            ids[id(v)] = len(ids)
+        parts = []
+        floats, ints = [], []
+        for node in order:
+            parts.append(node.key)
+            parts.append(tuple(ids[id(v)] for v in node.inputs))
+            for out in node.outs:
+                ids[id(out)] = len(ids)
+            for s in node.scalars:
+                (ints if type(s) is int or type(s) is bool else floats).append(s)
+        self.order = order
+        self.inputs = inputs
+        self.outputs = outputs
+        self.floats = floats
+        self.ints = ints
+        out_ids = tuple(ids[id(v)] for v in outputs)
+        self.donate = tuple(
+            i for i, v in enumerate(inputs) if donatable is not None and donatable(v)
+        )
+        in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
+        self.key = (in_avals, tuple(parts), out_ids, self.donate)
+
+
+def _collect(outputs):
+    """Topological order of pending nodes reachable from ``outputs``, and the input Values."""
+    order, inputs = [], []
+    seen = set()
+    seen_inputs = set()
+    for root in outputs:
+        if root.node is None or id(root.node) in seen:
+            continue
+        stack = [(root.node, 0)]
+        seen.add(id(root.node))
+        while stack:
+            node, i = stack[-1]
+            ins = node.inputs
+            while i < len(ins):
+                v = ins[i]
+                i += 1
+                n = v.node
+                if n is None:
+                    if id(v) not in seen_inputs:
+                        seen_inputs.add(id(v))
+                        inputs.append(v)
+                elif id(n) not in seen:
+                    seen.add(id(n))
+                    stack[-1] = (node, i)
+                    stack.append((n, 0))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order, inputs
+
+
+def _fill(t, env, scalars):
+    tp = type(t)
+    if tp is TensorSlot:
+        return env[t]
+    if tp is ScalarSlot:
+        return scalars[t]
+    if tp is list or tp is tuple:
+        return [_fill(x, env, scalars) for x in t]
+    return t
+
+
+def _program(graph):
+    """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules."""
+    n_in = len(graph.inputs)
+    ids = {id(v): i for i, v in enumerate(graph.inputs)}
+    steps = []
+    fpos = ipos = 0
+    for node in graph.order:
+        slots = []
+        for s in node.scalars:
+            if type(s) is int or type(s) is bool:
+                slots.append(("i", ipos))
+                ipos += 1
+            else:
+                slots.append(("f", fpos))
+                fpos += 1
+        out_ids = []
+        for out in node.outs:
+            ids[id(out)] = len(ids)
+            out_ids.append(ids[id(out)])
+        kinds = _scalar_kinds(node)
+        steps.append((node.rule, node.args, node.kwargs, [ids[id(v)] for v in node.inputs],
+                      slots, kinds, out_ids, [o.desc for o in node.outs]))
+    out_ids = [ids[id(v)] for v in graph.outputs]
+
+    def program(floats, ints, *arrays):
+        env = list(arrays)
+        env.extend([None] * (len(ids) - len(env)))
+        for rule, args, kwargs, in_ids, slots, kinds, outs, descs in steps:
+            ins = [env[i] for i in in_ids]
+            sc = []
+            for (vec, pos), kind in zip(slots, kinds):
+                x = (floats if vec == "f" else ints)[pos]
+                sc.append(x.astype(kind) if kind is not None else x)
+            extra = {}
+            n = len(descs)
+            if rule.rng:
+                key = jax.random.wrap_key_data(ins[-1])
+                key, sub = jax.random.split(key)
+                extra["rng"] = sub
+                n -= 1
+            if rule.out_meta:
+                extra["out"] = [(d[0], jdtype(d[2])) for d in descs[:n]]
+            result = rule.fn(*_fill(args, ins, sc), **_fill(kwargs, ins, sc), **extra)
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            if len(results) != n:
+                raise RuntimeError(f"torchacc: lowering of {rule.name} returned {len(results)} "
+                                   f"outputs, PyTorch's op has {n}")
+            for slot, r, d in zip(outs, results, descs):
+                r = jnp.asarray(r)
+                if r.shape != d[0]:
+                    raise RuntimeError(f"torchacc: lowering of {rule.name} gave shape {r.shape}, "
+                                       f"PyTorch's meta kernel says {d[0]}")
+                env[slot] = r.astype(jdtype(d[2])) if r.dtype != jdtype(d[2]) else r
+            if rule.rng:
+                env[outs[-1]] = jax.random.key_data(key)
+        return [env[i] for i in out_ids]
+
+    return program
+
+
+def _scalar_kinds(node):
+    """Per runtime scalar: the dtype a CPU 0-dim tensor had, else None (keep float64/int64)."""
+    kinds = []
+    for part in node.key:
+        if type(part) is tuple and len(part) == 2 and part[0] == "cpu0":
+            kinds.append(jdtype(part[1]))
+        elif part is float or part is int:
+            kinds.append(None)
+    return kinds
+
+
+def compiled_for(graph, args):
+    """The executable for ``graph`` (compiling it on a cache miss)."""
+    exe = _cache.get(graph.key)
+    if exe is not None:
+        metrics.counter_inc("CachedCompile")
+        return exe
+    if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
+        print(f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
+              f"{explain_miss(graph.key)}", file=sys.stderr)
+    start = time.perf_counter()
+    hits = _persistent_hits[0]
+    donate = tuple(2 + i for i in graph.donate)
+    fn = jax.jit(_program(graph), donate_argnums=donate)
+    exe = fn.lower(*args).compile()
+    metrics.record_time("CompileTime", time.perf_counter() - start)
+    metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
+    _cache[graph.key] = exe
+    return exe
+
+
+def explain_miss(key):
+    """Why ``key`` is not in the cache: the nearest cached graph and what differs."""
+    if not _cache:
+        return "first graph"
+    in_avals, parts, out_ids, donate = key
+    best, best_score = None, -1
+    for other in _cache:
+        score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a == b)
+        if other[0] == in_avals:
+            score += 1
+        if score > best_score:
+            best, best_score = other, score
+    o_avals, o_parts = best[0], best[1]
+    if len(o_avals) != len(in_avals):
+        return f"{len(in_avals)} inputs vs {len(o_avals)} in the nearest cached graph"
+    for i, (a, b) in enumerate(zip(in_avals, o_avals)):
+        if a != b:
+            return (f"input {i} has shape {tuple(a[0])} dtype {a[1]}; nearest cached graph had "
+                    f"shape {tuple(b[0])} dtype {b[1]}")
+    for i, (a, b) in enumerate(zip(parts[::2], o_parts[::2])):
+        if a != b:
+            if a[0] != b[0]:
+                return f"op {i} is {a[0]}; nearest cached graph has {b[0]} there"
+            return f"op {i} ({a[0]}) has different arguments: {a[1:]} vs {b[1:]}"
+    if len(parts) != len(o_parts):
+        return f"{len(parts) // 2} ops vs {len(o_parts) // 2} in the nearest cached graph"
+    if out_ids != best[2]:
+        return "the same ops, but different tensors are live at the sync"
+    return "the same graph with different donated buffers"
+
+
+def cache_size():
+    return len(_cache)

@@ -1,0 +1,741 @@
+"""__torch_dispatch__ for LazyTensor: classify each ATen op once, then record it.
+
+Per op (cached in ``_handlers``): views keep eager aliasing (Note [Values, storages and views] in
+graph.py); in-place, ``out=`` and other mutating ops record their functional twin and write the
+result back; ops with a lowering rule become graph nodes; the rest decompose with PyTorch's own
+tables, and as a last resort run eagerly on CPU as a counted, named fallback (``aten::<op>``).
+Output shapes/dtypes come from PyTorch's meta kernels, cached by op signature.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import numpy as np
+import torch
+from torch._decomp import decomposition_table
+
+from torchacc import metrics, tensor
+from torchacc.graph import Node, ScalarSlot, Storage, TensorSlot, Value
+from torchacc.lowering import lookup
+from torchacc.lowering.registry import scalar_arguments
+from torchacc.tensor import LazyTensor, make
+
+aten = torch.ops.aten
+
+
+class VRef:
+    """A Value passed where a tensor argument goes, with the desc to use for meta."""
+
+    __slots__ = ("value", "desc")
+
+    def __init__(self, value, desc):
+        self.value = value
+        self.desc = desc
+
+
+# --------------------------------------------------------------------------------------------
+# descs and meta
+
+
+def desc_of(t):
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset())
+
+
+def contiguous_desc(shape, dtype):
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return (tuple(shape), tuple(reversed(stride)), dtype, 0)
+
+
+def _meta_tensor(desc):
+    shape, stride, dtype, offset = desc
+    if offset == 0:
+        return torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+    extent = offset + 1 + sum((s - 1) * st for s, st in zip(shape, stride) if s > 0)
+    return torch.empty(extent, dtype=dtype, device="meta").as_strided(shape, stride, offset)
+
+
+def _to_meta(a):
+    tp = type(a)
+    if tp is LazyTensor:
+        return _meta_tensor(a._desc)
+    if tp is VRef:
+        return _meta_tensor(a.desc)
+    if tp is list or tp is tuple:
+        return tp(_to_meta(x) for x in a)
+    if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0:
+        return a.item()  # a CPU 0-dim tensor mixes with device tensors like a scalar
+    return a
+
+
+class Meta:
+    __slots__ = ("descs", "kind")
+
+    def __init__(self, descs, kind):
+        self.descs = descs
+        self.kind = kind  # "one", "tuple", "list", "none"
+
+
+_meta_cache: dict = {}
+
+
+class NeedsFallback(Exception):
+    """The op cannot be recorded (no meta kernel, data-dependent output shape)."""
+
+
+def _compute_meta(func, args, kwargs):
+    margs = _to_meta(args)
+    mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
+    if "device" in mkwargs:
+        mkwargs["device"] = "meta"
+    try:
+        out = func(*margs, **mkwargs)
+    except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
+        raise NeedsFallback(str(e)) from e
+    except RuntimeError as e:
+        msg = str(e)
+        if "meta" in msg.lower() and ("not implemented" in msg.lower() or "backend" in msg):
+            raise NeedsFallback(msg) from e
+        raise RuntimeError(f"torchacc: {func}: {msg}") from e
+    if out is None:
+        return Meta((), "none")
+    if isinstance(out, torch.Tensor):
+        return Meta((desc_of(out),), "one")
+    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
+        return Meta(tuple(desc_of(o) for o in out), "tuple" if isinstance(out, tuple) else "list")
+    raise NeedsFallback(f"{func} returns {type(out).__name__}")
+
+
+# --------------------------------------------------------------------------------------------
+# recording
+
+
+def value_of(t):
+    """The Value a LazyTensor reads now (replaying its view chain if its storage moved)."""
+    view = t._view
+    st = t._st
+    if view is None:
+        return st.value
+    cache = t._vcache
+    if cache is not None and cache[0] == st.version:
+        return cache[1]
+    val = _replay(st, view)
+    t._vcache = (st.version, val)
+    return val
+
+
+def _replay(st, chain):
+    cur = VRef(st.value, st.desc)
+    val = cur.value
+    for func, rest, kwargs, index, out_desc in chain:
+        val = record_values(func, (cur, *rest), kwargs)[0][index]
+        cur = VRef(val, out_desc)
+    return val
+
+
+def new_storage(value, desc):
+    return Storage(value, desc)
+
+
+_CPU_INDEX_OPS = {"index", "_unsafe_index", "index_put", "_unsafe_index_put", "index_put_"}
+
+
+def _scan(a, lift, inputs, scalars, sig, func):
+    tp = type(a)
+    if tp is LazyTensor:
+        inputs.append(value_of(a))
+        sig.append(a._desc)
+        return TensorSlot(len(inputs) - 1)
+    if tp is float or (tp is int and lift):
+        if lift:
+            scalars.append(a)
+            sig.append(tp)
+            return ScalarSlot(len(scalars) - 1)
+        sig.append(a)
+        return a
+    if tp is list or tp is tuple:
+        if a and not isinstance(a[0], (int, float, bool)):
+            items = [_scan(x, lift, inputs, scalars, sig, func) for x in a]
+            sig.append(len(a))
+            return items
+        if lift:
+            items = [_scan(x, True, inputs, scalars, sig, func) for x in a]
+            sig.append(len(a))
+            return items
+        sig.append(tuple(a))
+        return a
+    if tp is VRef:
+        inputs.append(a.value)
+        sig.append(a.desc)
+        return TensorSlot(len(inputs) - 1)
+    if isinstance(a, torch.Tensor):
+        return _scan_foreign_tensor(a, inputs, scalars, sig, func)
+    sig.append(a)
+    return a
+
+
+def _scan_foreign_tensor(a, inputs, scalars, sig, func):
+    if a.device.type == "meta":
+        raise RuntimeError(f"torchacc: {func} got a meta tensor")
+    if a.dim() == 0:
+        # a CPU scalar tensor: its value becomes a runtime scalar of its dtype
+        scalars.append(a.item())
+        sig.append(("cpu0", a.dtype))
+        return ScalarSlot(len(scalars) - 1)
+    if func.overloadpacket.__name__ in _CPU_INDEX_OPS:
+        t = to_device(a)
+        inputs.append(value_of(t))
+        sig.append(t._desc)
+        return TensorSlot(len(inputs) - 1)
+    raise RuntimeError(
+        f"torchacc: {func} got a {a.device} tensor of shape {tuple(a.shape)} next to torchacc "
+        "tensors; expected all tensors to be on the same device (move it with .to(device))"
+    )
+
+
+class OpSpec:
+    __slots__ = ("func", "rule", "lift_pos", "lift_kw")
+
+    def __init__(self, func, rule):
+        self.func = func
+        self.rule = rule
+        lifted = scalar_arguments(func, rule.static if rule else frozenset())
+        self.lift_pos = frozenset(p for p, _ in lifted.values() if p is not None)
+        self.lift_kw = frozenset(lifted)
+
+
+_specs: dict = {}
+
+
+def _spec(func):
+    spec = _specs.get(func)
+    if spec is None:
+        spec = _specs[func] = OpSpec(func, lookup(func))
+    return spec
+
+
+def record_values(func, args, kwargs):
+    """Record ``func`` as a node; returns (list of output Values, Meta)."""
+    spec = _specs.get(func) or _spec(func)
+    rule = spec.rule
+    if rule is None:
+        raise NeedsFallback(f"no lowering rule for {func}")
+    inputs, scalars = [], []
+    sig = [func]
+    lift_pos = spec.lift_pos
+    targs = [_scan(a, i in lift_pos, inputs, scalars, sig, func) for i, a in enumerate(args)]
+    if kwargs:
+        lift_kw = spec.lift_kw
+        tkwargs = {}
+        for k, v in kwargs.items():
+            sig.append(k)
+            tkwargs[k] = _scan(v, k in lift_kw, inputs, scalars, sig, func)
+    else:
+        tkwargs = kwargs
+    key = tuple(sig)
+    meta = _meta_cache.get(key)
+    if meta is None:
+        meta = _meta_cache[key] = _compute_meta(func, args, kwargs)
+    if rule.rng:
+        from torchacc import random
+
+        inputs.append(random.state_value())
+    node = Node(rule, key, inputs, targs, tkwargs, scalars)
+    outs = [Value(d, node, i) for i, d in enumerate(meta.descs)]
+    node.outs = outs
+    if rule.rng:
+        random.advance(node, len(outs))
+    return outs, meta
+
+
+def wrap(values, meta):
+    ts = [make(new_storage(v, v.desc), v.desc) for v in values]
+    kind = meta.kind
+    if kind == "one":
+        return ts[0]
+    if kind == "tuple":
+        return tuple(ts)
+    if kind == "list":
+        return ts
+    return None
+
+
+# --------------------------------------------------------------------------------------------
+# writes (in-place semantics)
+
+
+def assign(t, val):
+    """Make tensor ``t`` hold Value ``val`` (same shape), writing through its view chain."""
+    if val.desc[2] != t._desc[2]:
+        val = record_values(aten._to_copy.default, (VRef(val, val.desc),), {"dtype": t.dtype})[0][0]
+    st = t._st
+    view = t._view
+    if view is None:
+        st.write(val)
+        return
+    bases = [VRef(st.value, st.desc)]
+    for func, rest, kwargs, index, out_desc in view[:-1]:
+        v = record_values(func, (bases[-1], *rest), kwargs)[0][index]
+        bases.append(VRef(v, out_desc))
+    new = val
+    for entry, base in zip(reversed(view), reversed(bases)):
+        new = _inverse(entry, base, new)
+    st.write(new)
+    t._vcache = (st.version, val)
+
+
+def _inverse(entry, base, new):
+    """The new base Value after writing ``new`` into view ``entry`` of ``base``."""
+    func, rest, kwargs, index, out_desc = entry
+    name = func.overloadpacket.__name__
+    newref = VRef(new, out_desc)
+    if name == "slice":
+        scatter, args = aten.slice_scatter.default, (base, newref, *rest)
+    elif name == "select":
+        scatter, args = aten.select_scatter.default, (base, newref, *rest)
+    elif name == "diagonal":
+        scatter, args = aten.diagonal_scatter.default, (base, newref, *rest)
+    elif name == "as_strided":
+        scatter, args = aten.as_strided_scatter.default, (base, newref, *rest)
+    elif name in ("transpose", "t"):
+        dims = rest if name == "transpose" else (0, 1) if len(out_desc[0]) == 2 else (0, 0)
+        scatter, args = aten.transpose.int, (newref, *dims)
+    elif name == "permute":
+        dims = [d % len(out_desc[0]) for d in rest[0]]
+        scatter, args = aten.permute.default, (newref, list(np.argsort(dims).tolist()))
+    elif name in _RESHAPE_VIEWS:
+        flat = VRef(new, contiguous_desc(out_desc[0], out_desc[2]))
+        scatter, args = aten.view.default, (flat, list(base.desc[0]))
+    elif name == "expand":
+        raise RuntimeError(
+            "torchacc: unsupported operation: more than one element of the written-to tensor "
+            "refers to a single memory location (in-place write into an expanded view)"
+        )
+    else:
+        raise RuntimeError(f"torchacc: in-place write through a view made by {func} is not supported")
+    return record_values(scatter, args, {})[0][0]
+
+
+_RESHAPE_VIEWS = frozenset(
+    ("view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "alias", "detach", "lift_fresh",
+     "view_as", "flatten", "unflatten", "_reshape_alias", "_conj", "_neg_view")
+)
+
+
+# --------------------------------------------------------------------------------------------
+# handlers
+
+
+def _is_view_op(func):
+    rets = func._schema.returns
+    args = func._schema.arguments
+    if not rets or not args or args[0].alias_info is None:
+        return False
+    info = rets[0].alias_info
+    return info is not None and not info.is_write and not args[0].alias_info.is_write
+
+
+def _view_handler(func, args, kwargs):
+    base = args[0]
+    vals, meta = record_values(func, args, kwargs)
+    st = base._st
+    chain = base._view or ()
+    name = func.overloadpacket.__name__
+    rest, version = tuple(args[1:]), st.version
+    outs = []
+    for i, v in enumerate(vals):
+        if meta.kind == "one":
+            entry = (func, rest, kwargs, 0, v.desc)
+        else:
+            entry = _split_entry(name, args, kwargs, i, vals, v.desc)
+        outs.append(make(st, v.desc, chain + (entry,), (version, v)))
+    if meta.kind == "one":
+        return outs[0]
+    return tuple(outs) if meta.kind == "tuple" else outs
+
+
+def _split_entry(name, args, kwargs, i, vals, out_desc):
+    """The i-th output of a multi-output view op as a single slice/select view entry."""
+    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
+    if name == "unbind":
+        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        return (aten.select.int, (dim, i), {}, 0, out_desc)
+    dim = dim % len(args[0].shape)
+    start = sum(v.desc[0][dim] for v in vals[:i])
+    end = start + vals[i].desc[0][dim]
+    return (aten.slice.Tensor, (dim, start, end, 1), {}, 0, out_desc)
+
+
+def _rule_handler(func, args, kwargs):
+    vals, meta = record_values(func, args, kwargs)
+    return wrap(vals, meta)
+
+
+def _functional_variant(func):
+    """For an in-place/out=/mutating op: (functional op, how outputs map to mutated args)."""
+    name = func.overloadpacket.__name__
+    overload = func._overloadname
+    special = _INPLACE_SPECIAL.get(str(func))
+    if special is not None:
+        return special, "inplace"
+    schema = func._schema
+    out_args = [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None
+                and a.alias_info.is_write]
+    if out_args:
+        fn = _find_out_functional(func, {a.name for a in out_args})
+        return fn, "out"
+    if name.endswith("_") and not name.startswith("_foreach"):
+        packet = getattr(aten, name[:-1], None)
+        if packet is not None and overload in packet.overloads():
+            return getattr(packet, overload), "inplace"
+    packet = getattr(aten, name + "_functional", None)
+    if packet is not None and overload in packet.overloads():
+        return getattr(packet, overload), "mutating"
+    return None, None
+
+
+_INPLACE_SPECIAL = {
+    "aten.normal_.default": aten.normal_functional.default,
+    "aten.bernoulli_.float": aten.bernoulli.p,
+    "aten.bernoulli_.Tensor": aten.bernoulli.Tensor,
+    "aten.uniform_.default": aten.uniform.default,
+}
+
+
+def _find_out_functional(func, out_names):
+    want = [(a.name, str(a.type)) for a in func._schema.arguments if a.name not in out_names]
+    for ov in func.overloadpacket.overloads():
+        cand = getattr(func.overloadpacket, ov)
+        if cand is func:
+            continue
+        got = [(a.name, str(a.type)) for a in cand._schema.arguments]
+        if got == want:
+            return cand
+    return None
+
+
+def _mutated_positions(func):
+    return [i for i, a in enumerate(func._schema.arguments)
+            if a.alias_info is not None and a.alias_info.is_write]
+
+
+def _make_mutation_handler(func):
+    functional, mode = _functional_variant(func)
+    if functional is None:
+        return None
+    fhandler = _handler(functional)
+    schema_args = func._schema.arguments
+    mutated = _mutated_positions(func)
+    names = [schema_args[i].name for i in mutated]
+
+    def get_arg(args, kwargs, i):
+        return args[i] if i < len(args) else kwargs.get(schema_args[i].name)
+
+    if mode == "inplace":
+
+        def handler(_, args, kwargs):
+            result = fhandler(functional, args, kwargs)
+            _write_back(args[0], result, func)
+            return args[0]
+
+    elif mode == "out":
+
+        def handler(_, args, kwargs):
+            kwargs = dict(kwargs)
+            outs = [kwargs.pop(n) for n in names]
+            result = fhandler(functional, args, kwargs)
+            results = result if isinstance(result, (tuple, list)) else (result,)
+            for o, r in zip(outs, results):
+                _write_back(o, r, func)
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+    else:  # mutating op with a *_functional twin returning (outs..., new mutated args...)
+        n_mut = len(mutated)
+
+        def handler(_, args, kwargs):
+            result = fhandler(functional, args, kwargs)
+            for i, r in zip(mutated, result[len(result) - n_mut:]):
+                target = get_arg(args, kwargs, i)
+                if target is not None:
+                    _write_back(target, r, func)
+            outs = result[: len(result) - n_mut]
+            return outs[0] if len(outs) == 1 else tuple(outs)
+
+    return handler
+
+
+def _write_back(target, result, func):
+    if isinstance(target, (list, tuple)):
+        for t, r in zip(target, result):
+            _write_back(t, r, func)
+        return
+    if type(target) is not LazyTensor:
+        raise RuntimeError(f"torchacc: {func} writes into a {target.device} tensor")
+    if tuple(result.shape) != tuple(target.shape):
+        raise RuntimeError(
+            f"torchacc: {func} would resize its output from {tuple(target.shape)} to "
+            f"{tuple(result.shape)}; resizing torchacc tensors in place is not supported"
+        )
+    assign(target, value_of(result))
+
+
+# --- special ops -----------------------------------------------------------------------------
+
+_DROP_TO_COPY = ("device", "layout", "pin_memory", "non_blocking")
+
+
+def _to_copy(func, args, kwargs):
+    src = args[0]
+    target = kwargs.get("device")
+    if target is not None and torch.device(target).type != tensor.DEVICE_TYPE:
+        out = to_cpu(src)
+        kw = {k: v for k, v in kwargs.items() if k in ("dtype", "memory_format") and v is not None}
+        return aten._to_copy.default(out, device=torch.device(target), **kw)
+    kw = {k: v for k, v in kwargs.items() if k not in _DROP_TO_COPY and v is not None}
+    return _rule_handler(func, (src,), kw)
+
+
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if type(dst) is not LazyTensor:  # device -> host
+        dst.copy_(to_cpu(src))
+        return dst
+    if type(src) is not LazyTensor:  # host -> device
+        host = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
+        assign(dst, upload(host))
+        return dst
+    val = value_of(src)
+    if src._desc[0] != dst._desc[0]:
+        val = record_values(aten.expand.default, (VRef(val, src._desc), list(dst.shape)), {})[0][0]
+    assign(dst, val)
+    return dst
+
+
+def _local_scalar_dense(func, args, kwargs):
+    return to_cpu(args[0]).item()
+
+
+def _equal(func, args, kwargs):
+    a, b = args
+    return bool(torch.equal(to_cpu(a), to_cpu(b)))
+
+
+def _identity(func, args, kwargs):
+    return args[0]
+
+
+def _noop(func, args, kwargs):
+    return None
+
+
+def _fused_sdp_choice(func, args, kwargs):
+    return 0  # SDPBackend.MATH until an attention lowering is wired
+
+
+def _foreach_handler(func):
+    """``_foreach_<op>[_]`` -> one ``<op>[_]`` per list element (recorded in the same graph)."""
+    name = func.overloadpacket.__name__[len("_foreach_"):]
+    inplace = name.endswith("_")
+    base_name = name[:-1] if inplace else name
+    overload = func._overloadname
+    schema_args = func._schema.arguments
+    if base_name == "norm":
+        target = aten.linalg_vector_norm.default
+    else:
+        packet = getattr(aten, base_name + ("_" if inplace else ""))
+        target = _foreach_target(packet, overload, schema_args)
+    tensor_list_pos = [i for i, a in enumerate(schema_args) if str(a.type).startswith("List[Tensor")]
+    scalar_list_pos = [i for i, a in enumerate(schema_args) if str(a.type) == "List[number]"]
+    target_kw = [a.name for a in target._schema.arguments]
+
+    def handler(_, args, kwargs):
+        args = list(args) + [kwargs[a.name] for a in schema_args[len(args):] if a.name in kwargs]
+        n = len(args[0])
+        h = _handler(target)
+        results = []
+        for j in range(n):
+            call = []
+            for i, a in enumerate(args):
+                if i in tensor_list_pos or i in scalar_list_pos:
+                    a = a[j]
+                elif isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
+                    a = a[j]  # a tensor of per-element scalars
+                call.append(a)
+            kw = {}
+            if len(call) > len(target_kw) or (base_name in ("addcmul", "addcdiv") and len(call) == 4):
+                kw = {"value": call.pop()}
+            results.append(h(target, tuple(call), kw))
+        return None if inplace else results
+
+    return handler
+
+
+def _foreach_target(packet, overload, schema_args):
+    ovs = packet.overloads()
+    prefer = {"List": ["Tensor", "default"], "Scalar": ["Scalar", "default"],
+              "ScalarList": ["Scalar", "default"], "Tensor": ["Tensor", "Scalar", "default"],
+              "default": ["default"], "ScalarAndTensor": ["Scalar"]}.get(overload, [overload])
+    for ov in prefer + list(ovs):
+        if ov in ovs:
+            return getattr(packet, ov)
+    raise NotImplementedError(f"torchacc: no per-tensor op for _foreach overload {overload}")
+
+
+_SPECIAL = {
+    aten._to_copy.default: _to_copy,
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+    aten.equal.default: _equal,
+    aten.lift_fresh.default: _identity,
+    aten.resolve_conj.default: _identity,
+    aten.resolve_neg.default: _identity,
+    aten.record_stream.default: _noop,
+    aten._fused_sdp_choice.default: _fused_sdp_choice,
+}
+
+
+# --- fallback ----------------------------------------------------------------------------------
+
+_warned: set = set()
+
+
+def _fallback_handler(func, args, kwargs):
+    name = f"aten::{func.overloadpacket.__name__}"
+    if os.environ.get("TORCHACC_STRICT", "0") not in ("", "0"):
+        raise RuntimeError(
+            f"torchacc: {func} has no lowering and no decomposition "
+            "(TORCHACC_STRICT=1 forbids running it eagerly on CPU)"
+        )
+    metrics.counter_inc(name)
+    if name not in _warned:
+        _warned.add(name)
+        warnings.warn(
+            f"torchacc: {func} has no lowering; it runs eagerly on CPU (counter {name!r}). "
+            "Each call syncs its inputs to the host.",
+            stacklevel=3,
+        )
+    cpu_args = _map_tensors(args, to_cpu)
+    cpu_kwargs = _map_tensors(kwargs, to_cpu)
+    if "device" in cpu_kwargs:
+        cpu_kwargs["device"] = "cpu"
+    out = func(*cpu_args, **cpu_kwargs)
+    for i in _mutated_positions(func):
+        target = args[i] if i < len(args) else kwargs.get(func._schema.arguments[i].name)
+        source = cpu_args[i] if i < len(args) else cpu_kwargs.get(func._schema.arguments[i].name)
+        if type(target) is LazyTensor:
+            assign(target, upload(source))
+        elif isinstance(target, list):
+            for t, s in zip(target, source):
+                assign(t, upload(s))
+    if _mutated_positions(func) and out is not None and isinstance(out, torch.Tensor):
+        return args[0]
+    return _map_tensors(out, to_device)
+
+
+def _map_tensors(x, fn):
+    if isinstance(x, torch.Tensor):
+        return fn(x)
+    if isinstance(x, (list, tuple)):
+        return type(x)(_map_tensors(v, fn) for v in x)
+    if isinstance(x, dict):
+        return {k: _map_tensors(v, fn) for k, v in x.items()}
+    return x
+
+
+# --- classification ------------------------------------------------------------------------------
+
+_handlers: dict = {}
+
+
+def _handler(func):
+    h = _handlers.get(func)
+    if h is None:
+        h = _handlers[func] = _classify(func)
+    return h
+
+
+def _classify(func):
+    if func in _SPECIAL:
+        return _SPECIAL[func]
+    name = func.overloadpacket.__name__
+    if name.startswith("_foreach_"):
+        return _foreach_handler(func)
+    if _is_view_op(func) and lookup(func) is not None:
+        return _view_handler
+    if _mutated_positions(func):
+        h = _make_mutation_handler(func)
+        if h is not None:
+            return _guarded(h, func)
+        return _fallback_handler
+    if lookup(func) is not None:
+        return _guarded(_rule_handler, func)
+    decomp = decomposition_table.get(func)
+    if decomp is not None:
+        return lambda _, args, kwargs: decomp(*args, **kwargs)
+    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+        return lambda f, args, kwargs: f.decompose(*args, **kwargs)
+    return _fallback_handler
+
+
+def _guarded(h, func):
+    """Run handler ``h``; if the op cannot be recorded, run the fallback instead."""
+
+    def guarded(f, args, kwargs):
+        try:
+            return h(f, args, kwargs)
+        except NeedsFallback:
+            return _fallback_handler(f, args, kwargs)
+
+    return guarded
+
+
+def dispatch(func, args, kwargs):
+    h = _handlers.get(func)
+    if h is None:
+        h = _handler(func)
+    return h(func, args, kwargs or {})
+
+
+tensor._dispatch = dispatch
+
+
+# --------------------------------------------------------------------------------------------
+# host <-> device
+
+
+def upload(host):
+    """A device Value holding the CPU tensor ``host``'s data (counted as a transfer)."""
+    from torchacc import execute
+
+    return execute.upload(host)
+
+
+def to_device(host):
+    if type(host) is LazyTensor:
+        return host
+    val = upload(host.detach().contiguous())
+    return make(new_storage(val, val.desc), val.desc)
+
+
+def to_cpu(t):
+    """CPU copy of a LazyTensor (runs what it needs; counted as a transfer)."""
+    from torchacc import execute
+
+    if type(t) is not LazyTensor:
+        return t
+    return execute.fetch(value_of(t), t.dtype)
+
+
+def deepcopy(t, memo):
+    new = to_device(to_cpu(t))
+    if t.requires_grad:
+        new.requires_grad_(True)
+    if getattr(t, "_is_param", False):
+        new = torch.nn.Parameter(new, t.requires_grad)
+    memo[id(t)] = new
+    return new
+

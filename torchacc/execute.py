@@ -1,0 +1,118 @@
+"""Running graphs: sync/mark_step, binding results, donation, and host<->device transfers.
+
+``sync()`` compiles (on a cache miss) and launches one program computing every live tensor with
+pending work, then returns at once: JAX executes asynchronously, so the host records the next step
+while the device runs this one. Reading a value (``.item()``, ``.cpu()``, ``print``) runs just the
+graph that value needs and waits for it; that is a counted transfer (``TransferFromDevice``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+import torch
+
+from torchacc import compile as compiler
+from torchacc import metrics
+from torchacc.device import jax_device
+from torchacc.graph import Value, live_storages
+
+_last_outputs: list = []
+_last_sync_end = [None]
+
+
+def put(host_array):
+    return jax.device_put(host_array, jax_device())
+
+
+def _numpy_of(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype == torch.uint32:
+        return t.view(torch.int32).numpy().view(np.uint32)
+    return t.numpy()
+
+
+def upload(host):
+    """A data Value on the device with a copy of the CPU tensor ``host``."""
+    from torchacc.dispatch import contiguous_desc
+
+    host = host.detach().contiguous()
+    start = time.perf_counter()
+    array = put(_numpy_of(host))
+    metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
+    metrics.counter_inc("TransferToDevice")
+    return Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
+
+
+def fetch(value, dtype):
+    """A CPU tensor with ``value``'s data (running its graph first if it is pending)."""
+    if value.node is not None:
+        run([value], donate=False)
+    start = time.perf_counter()
+    host = np.array(value.array)
+    metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
+    metrics.counter_inc("TransferFromDevice")
+    if host.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    out = torch.from_numpy(host)
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def _donatable_fn():
+    """Inputs no live tensor will hold after this step can give their buffers to the outputs."""
+    held = set()
+    for st in live_storages():
+        v = st.value
+        held.add(id(v))
+        if v.array is not None:
+            held.add(id(v.array))
+    return lambda v: id(v) not in held and id(v.array) not in held
+
+
+def run(outputs, donate):
+    """Compute the pending Values ``outputs`` with one program and bind their arrays."""
+    graph = compiler.Graph(outputs, _donatable_fn() if donate else None)
+    floats = np.asarray(graph.floats, dtype=np.float64)
+    ints = np.asarray(graph.ints, dtype=np.int64)
+    args = [floats, ints] + [v.array for v in graph.inputs]
+    exe = compiler.compiled_for(graph, args)
+    start = time.perf_counter()
+    results = exe(*args)
+    metrics.record_time("ExecuteTime", time.perf_counter() - start)
+    for v, array in zip(outputs, results):
+        v.array = array
+        v.node = None
+    for i in graph.donate:  # their buffers now belong to the outputs
+        graph.inputs[i].array = None
+    _last_outputs[:] = results
+
+
+def sync(wait=False):
+    """Compile and launch everything pending (torch_xla's mark_step). Non-blocking by default."""
+    now = time.perf_counter()
+    if _last_sync_end[0] is not None:
+        metrics.record_time("TraceTime", now - _last_sync_end[0])
+    metrics.counter_inc("MarkStep")
+    outputs, seen = [], set()
+    for st in live_storages():
+        v = st.value
+        if v.node is not None and id(v) not in seen:
+            seen.add(id(v))
+            outputs.append(v)
+    if outputs:
+        run(outputs, donate=True)
+    if wait:
+        wait_device_ops()
+    end = time.perf_counter()
+    metrics.record_time("SyncTime", end - now)
+    _last_sync_end[0] = end
+
+
+def wait_device_ops():
+    """Block until every launched program has finished."""
+    for a in _last_outputs:
+        a.block_until_ready()

@@ -1,0 +1,470 @@
+"""Launcher behind ``launch_single_task.py``: one command for the eager baseline and torchacc.
+
+::
+
+    python launch_single_task.py --nproc_per_node=1 --amp_level=O1 --batch_size=128                 # baseline
+    python launch_single_task.py --nproc_per_node=8 --amp_level=O1 --compiler-opt --batch_size=128  # torchacc
+
+The launcher parses and validates the flags (a bad flag is an argparse usage error, exit code 2),
+then starts ``--nproc_per_node`` workers per node with ``torch.distributed.run`` (torchrun's
+engine: static rendezvous on ``--master_addr:--master_port``; on a single node a free port is
+picked when none is given so that concurrent runs do not collide). Each worker runs
+``python -m gallery.<model>.main`` with the training flags, which parses them again with the same
+parser (:func:`parse_args`).
+
+Processes that are already workers run the training in-process instead of spawning:
+
+* started by ``mpirun`` (Open MPI ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``, or
+  MPICH / Intel MPI ``PMI_RANK/PMI_SIZE`` + ``MPI_LOCALRANKID/MPI_LOCALNRANKS``): these are
+  mapped to ``RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE``;
+* started by ``torchrun`` or another launcher that already set ``RANK`` and ``WORLD_SIZE``.
+
+This module imports nothing heavy at import time, so usage errors come back fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import os
+import socket
+import sys
+from pathlib import Path
+
+__all__ = [
+    "MODELS",
+    "LAUNCH_ONLY",
+    "build_parser",
+    "parse_args",
+    "worker_argv",
+    "mpi_environment",
+    "find_free_port",
+    "repo_root",
+    "main",
+]
+
+# --model name -> worker module. GPT names are the configurations in gallery/gpt/model.py.
+MODELS: dict[str, str] = {
+    "resnet50": "gallery.resnet50.main",
+    "gpt2": "gallery.gpt.main",
+    "gpt2-medium": "gallery.gpt.main",
+    "gpt2-large": "gallery.gpt.main",
+    "gpt-mini": "gallery.gpt.main",
+    "gpt-tiny": "gallery.gpt.main",
+}
+
+# Flags that only the launcher reads; everything else is forwarded to the workers.
+LAUNCH_ONLY = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+
+
+# ----------------------------------------------------------------------------- value types
+def _int_at_least(lo: int, what: str):
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{what}: must be >= {lo}, got {value}")
+        return value
+
+    conv.__name__ = what
+    return conv
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _nproc(text: str) -> int | str:
+    if text in ("auto", "gpu", "cpu"):
+        return text
+    return _int_at_least(1, "nproc_per_node")(text)
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(1, "master_port")(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"master_port: must be <= 65535, got {value}")
+    return value
+
+
+def _data(text: str) -> str:
+    if text == "mock":
+        return text
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither 'mock' nor an existing directory (an ImageFolder tree: "
+            "DIR/<class>/<image> or DIR/train/<class>/<image>)"
+        )
+    return os.path.abspath(text)
+
+
+def _existing_path(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"checkpoint {text!r} does not exist")
+    return os.path.abspath(text)
+
+
+# ----------------------------------------------------------------------------- parser
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch_single_task.py",
+        description=(
+            "Train a gallery model as eager PyTorch (DDP + AMP; the baseline) or, with "
+            "--compiler-opt, through torchacc's lazy XLA device. Workers are started with "
+            "torch.distributed.run, or run in place under mpirun/torchrun."
+        ),
+        allow_abbrev=False,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("processes (torchrun semantics)")
+    g.add_argument(
+        "--nproc_per_node",
+        type=_nproc,
+        default=1,
+        help="worker processes on this node (an int, or 'auto'/'gpu': one per GPU, 'cpu': 1)",
+    )
+    g.add_argument("--nnodes", type=_int_at_least(1, "nnodes"), default=1, help="number of nodes")
+    g.add_argument(
+        "--node_rank", type=_int_at_least(0, "node_rank"), default=0, help="rank of this node"
+    )
+    g.add_argument("--master_addr", default=None, help="rendezvous host (default 127.0.0.1)")
+    g.add_argument(
+        "--master_port",
+        type=_port,
+        default=None,
+        help="rendezvous port (default: a free port on one node, 29500 on several)",
+    )
+
+    g = p.add_argument_group("model and mode")
+    g.add_argument("--model", choices=sorted(MODELS), default="resnet50", help="gallery model")
+    g.add_argument(
+        "--compiler-opt",
+        "--compiler_opt",
+        dest="compiler_opt",
+        action="store_true",
+        help="run the training step through torchacc (lazy XLA device); without it: eager DDP",
+    )
+    g.add_argument(
+        "--kernel-opt",
+        "--kernel_opt",
+        dest="kernel_opt",
+        action="store_true",
+        help="ask the compiler path for its optimized kernels (sets TORCHACC_KERNEL_OPT=1)",
+    )
+    g.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="eager path only: wrap the model in torch.compile (Inductor) for comparison",
+    )
+    g.add_argument(
+        "--amp_level",
+        choices=("O0", "O1"),
+        default="O1",
+        help="O0: float32; O1: autocast (+ GradScaler for fp16)",
+    )
+    g.add_argument(
+        "--amp_dtype",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="autocast dtype for O1 (default: bf16 where the device supports it, else fp16)",
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument(
+        "--batch_size", type=_int_at_least(1, "batch_size"), default=128, help="per process"
+    )
+    g.add_argument(
+        "--max_steps",
+        type=_int_at_least(1, "max_steps"),
+        default=None,
+        help="total optimizer steps (overrides --epochs)",
+    )
+    g.add_argument("--epochs", type=_int_at_least(1, "epochs"), default=1)
+    g.add_argument("--lr", type=_positive_float, default=None, help="default: per model")
+    g.add_argument(
+        "--weight_decay", type=_nonneg_float, default=None, help="AdamW weight decay (per model)"
+    )
+    g.add_argument(
+        "--image_size", type=_int_at_least(16, "image_size"), default=224, help="resnet50 only"
+    )
+    g.add_argument(
+        "--seq_len", type=_int_at_least(2, "seq_len"), default=None, help="gpt: default 1024"
+    )
+    g.add_argument(
+        "--data",
+        type=_data,
+        default="mock",
+        help="'mock' (in-memory synthetic data) or, for resnet50, an ImageFolder directory",
+    )
+    g.add_argument(
+        "--mock_samples",
+        type=_int_at_least(1, "mock_samples"),
+        default=None,
+        help="mock dataset size (default: 1,281,167 images like ImageNet-1k train; gpt: 2**20)",
+    )
+    g.add_argument(
+        "--workers",
+        type=_int_at_least(0, "workers"),
+        default=None,
+        help="DataLoader workers per process for ImageFolder data (default: min(8, cpus/procs))",
+    )
+    g.add_argument("--seed", type=_int_at_least(0, "seed"), default=42)
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument(
+        "--log_interval",
+        type=_int_at_least(1, "log_interval"),
+        default=10,
+        help="steps between progress lines (the loss is read from the device only then)",
+    )
+    g.add_argument("--output", default=None, help="write metrics as JSON to this file (rank 0)")
+    g.add_argument("--save_dir", default=None, help="directory for checkpoints (rank 0 writes)")
+    g.add_argument(
+        "--save_interval",
+        type=_int_at_least(0, "save_interval"),
+        default=0,
+        help="save every N steps (0: only at the end); needs --save_dir",
+    )
+    g.add_argument(
+        "--resume",
+        type=_existing_path,
+        default=None,
+        help="checkpoint file, or a directory: its latest checkpoint",
+    )
+    g.add_argument(
+        "--warmup_steps",
+        type=_int_at_least(0, "warmup_steps"),
+        default=None,
+        help="steps left out of the steady-state samples/s (default: min(5, steps // 2))",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.save_interval and not args.save_dir:
+        parser.error("--save_interval needs --save_dir")
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node_rank {args.node_rank} must be < --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.master_addr is None and "MASTER_ADDR" not in os.environ:
+        parser.error("--nnodes > 1 needs --master_addr (the address of node 0)")
+    if args.model == "resnet50":
+        if args.seq_len is not None:
+            parser.error("--seq_len applies to the gpt models, not resnet50")
+    else:
+        if args.data != "mock":
+            parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
+    if args.torch_compile and args.compiler_opt:
+        parser.error("--torch_compile is for the eager path; it cannot be combined with --compiler-opt")
+    return args
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The training flags (launch-only ones removed), as the workers will parse them."""
+    out: list[str] = []
+    for action in build_parser()._actions:
+        dest = action.dest
+        if dest in LAUNCH_ONLY or dest == "help" or not action.option_strings:
+            continue
+        value = getattr(args, dest, None)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                out.append(flag)
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+# ----------------------------------------------------------------------------- environment
+def repo_root() -> Path:
+    """The directory holding ``gallery/`` (the checkout root)."""
+    return Path(__file__).resolve().parents[1]
+
+
+def find_free_port(host: str = "127.0.0.1") -> int:
+    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+_MPI_VARIANTS = (
+    # (rank, size, local rank, local size)
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+)
+_MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE", "PMI_ID")
+
+
+def mpi_environment(environ: dict[str, str] | None = None) -> dict[str, str] | None:
+    """torch.distributed variables for a process started by mpirun, or None if not under MPI.
+
+    RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE come from the MPI variables. MASTER_ADDR and
+    MASTER_PORT are kept if set; otherwise MASTER_ADDR is 127.0.0.1 (single node only) and
+    MASTER_PORT is derived from the MPI job id, so all ranks of one job agree on it without
+    talking and two jobs on one machine get different ports.
+    """
+    env = os.environ if environ is None else environ
+    for rank_k, size_k, lrank_k, lsize_k in _MPI_VARIANTS:
+        if rank_k in env and size_k in env:
+            rank, size = int(env[rank_k]), int(env[size_k])
+            local_rank = int(env.get(lrank_k, rank))
+            local_size = int(env.get(lsize_k, size))
+            out = {
+                "RANK": str(rank),
+                "WORLD_SIZE": str(size),
+                "LOCAL_RANK": str(local_rank),
+                "LOCAL_WORLD_SIZE": str(local_size),
+                "GROUP_RANK": str(rank // max(local_size, 1)),
+            }
+            if "MASTER_ADDR" not in env and local_size < size:
+                raise RuntimeError(
+                    "mpirun across several nodes: pass --master_addr (or set MASTER_ADDR) to the "
+                    "address of the node running rank 0"
+                )
+            out["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
+            if "MASTER_PORT" in env:
+                out["MASTER_PORT"] = env["MASTER_PORT"]
+            else:
+                job = next((env[k] for k in _MPI_JOB_IDS if env.get(k)), None)
+                if job is None:
+                    out["MASTER_PORT"] = "29500"
+                else:
+                    digest = hashlib.sha1(job.encode()).digest()
+                    out["MASTER_PORT"] = str(20000 + int.from_bytes(digest[:4], "big") % 20000)
+            return out
+    return None
+
+
+def _already_a_worker(environ) -> bool:
+    return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
+
+
+def _run_in_process(module: str, argv: list[str]) -> int:
+    import importlib
+
+    mod = importlib.import_module(module)
+    mod.main(argv)
+    return 0
+
+
+def _resolve_nproc(value) -> int:
+    if isinstance(value, int):
+        return value
+    if value == "cpu":
+        return 1
+    try:
+        import torch
+
+        n = torch.cuda.device_count()
+    except Exception:
+        n = 0
+    return max(n, 1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    module = MODELS[args.model]
+    wargs = worker_argv(args)
+
+    root = str(repo_root())
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    pythonpath = os.environ.get("PYTHONPATH", "")
+    if root not in pythonpath.split(os.pathsep):
+        os.environ["PYTHONPATH"] = root + (os.pathsep + pythonpath if pythonpath else "")
+    os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
+    if args.kernel_opt:
+        os.environ["TORCHACC_KERNEL_OPT"] = "1"
+
+    if args.master_addr is not None:
+        os.environ["MASTER_ADDR"] = args.master_addr
+    if args.master_port is not None:
+        os.environ["MASTER_PORT"] = str(args.master_port)
+
+    try:
+        mpi = mpi_environment()
+    except RuntimeError as e:
+        print(f"launch_single_task.py: error: {e}", file=sys.stderr)
+        return 2
+    if mpi is not None:
+        os.environ.update(mpi)
+        print(
+            f"[launch] mpirun process: rank {mpi['RANK']}/{mpi['WORLD_SIZE']} "
+            f"(local {mpi['LOCAL_RANK']}), master {mpi['MASTER_ADDR']}:{mpi['MASTER_PORT']}",
+            flush=True,
+        )
+        return _run_in_process(module, wargs)
+    if _already_a_worker(os.environ):
+        return _run_in_process(module, wargs)
+
+    nproc = _resolve_nproc(args.nproc_per_node)
+    master_addr = args.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+    if args.master_port is not None:
+        master_port = args.master_port
+    elif args.nnodes == 1:
+        master_port = find_free_port()
+    else:
+        master_port = int(os.environ.get("MASTER_PORT", 29500))
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_parse_args
+    from torch.distributed.run import run as torchrun
+
+    if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
+        # torchrun would force 1 thread per worker; share the cores instead.
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // nproc))
+
+    cmd = [
+        f"--nproc_per_node={nproc}",
+        f"--nnodes={args.nnodes}",
+        f"--node_rank={args.node_rank}",
+        f"--master_addr={master_addr}",
+        f"--master_port={master_port}",
+        "--module",
+        module,
+        *wargs,
+    ]
+    mode = "torchacc (--compiler-opt)" if args.compiler_opt else "eager (DDP)"
+    print(
+        f"[launch] {args.model}: {mode}, {args.nnodes} node(s) x {nproc} process(es), "
+        f"master {master_addr}:{master_port}",
+        flush=True,
+    )
+    try:
+        torchrun(torchrun_parse_args(cmd))
+    except ChildFailedError as e:
+        print(f"[launch] training failed:\n{e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

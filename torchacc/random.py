@@ -1,0 +1,46 @@
+"""Device-side RNG: one JAX PRNG key threaded through every random op of a step.
+
+The key lives in a Storage like a tensor's, so a sync carries it from step to step on the device:
+steps differ, and ``torch.manual_seed(s)`` (which calls ``manual_seed_all`` of the torchacc backend
+module) makes runs reproduce. Each random node takes the current key data as its last input and
+returns the next key data as its last output (the compiler splits the key; see compile.py).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import torch
+
+from torchacc.graph import Storage, Value
+
+KEY_DESC = ((2,), (1,), torch.uint32, 0)
+_storage = None
+
+
+def _key_data(seed):
+    return np.asarray(jax.random.key_data(jax.random.key(seed & 0xFFFFFFFFFFFFFFFF)))
+
+
+def manual_seed(seed):
+    global _storage
+    from torchacc import execute
+
+    value = Value(KEY_DESC, array=execute.put(_key_data(int(seed))))
+    if _storage is None:
+        _storage = Storage(value, KEY_DESC)
+    else:
+        _storage.write(value)
+
+
+def state_value():
+    if _storage is None:
+        manual_seed(torch.initial_seed())
+    return _storage.value
+
+
+def advance(node, index):
+    """Register output ``index`` of random ``node`` as the next key."""
+    value = Value(KEY_DESC, node, index)
+    node.outs.append(value)
+    _storage.write(value)

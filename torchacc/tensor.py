@@ -1,0 +1,83 @@
+"""LazyTensor: the torch tensor subclass that lives on the ``torchacc`` device.
+
+A LazyTensor has no data of its own: it points at a Storage (see Note [Values, storages and views]
+in graph.py), and a view tensor additionally carries the chain of view ops from that storage. All
+ATen ops on it land in ``torchacc.dispatch``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchacc.device import DEVICE_TYPE, register_backend
+
+register_backend()
+_DEVICE = torch.device(DEVICE_TYPE, 0)
+_new_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+class LazyTensor(torch.Tensor):
+    # _st: Storage; _view: tuple of chain entries or None; _vcache: (version, Value) or None;
+    # _desc: (shape, stride, dtype, storage_offset)
+
+    @staticmethod
+    def __new__(cls, *args, **kwargs):
+        raise TypeError("LazyTensor is made by torchacc; use tensor.to(torchacc.device())")
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch(func, args, kwargs)
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    # --- host reads -------------------------------------------------------------------------
+    def numpy(self, *, force=False):
+        return self.cpu().numpy()
+
+    def tolist(self):
+        return self.cpu().tolist()
+
+    def __repr__(self, *, tensor_contents=None):
+        text = repr(self.detach().cpu())
+        body = text[len("tensor("):-1] if text.startswith("tensor(") else text
+        return f"tensor({body}, device='{self.device}')"
+
+    def __reduce_ex__(self, protocol):
+        # torch.save of a device tensor stores its CPU value (like torch_xla's xm.save)
+        return torch.Tensor.__reduce_ex__(self.detach().cpu(), protocol)
+
+    def __deepcopy__(self, memo):
+        from torchacc import dispatch
+
+        return dispatch.deepcopy(self, memo)
+
+
+def _data_get(self):
+    return torch.Tensor.data.__get__(self)
+
+
+def _data_set(self, new):
+    if not isinstance(new, LazyTensor):
+        raise TypeError(
+            f"torchacc: cannot assign a {new.device} tensor to .data of a {self.device} tensor"
+        )
+    torch.Tensor.data.__set__(self, new)
+    self._st, self._view, self._vcache, self._desc = new._st, new._view, new._vcache, new._desc
+
+
+LazyTensor.data = property(_data_get, _data_set)
+
+
+def make(storage, desc, view=None, vcache=None):
+    """A new LazyTensor over ``storage`` (a view when ``view`` is a chain)."""
+    shape, stride, dtype, offset = desc
+    t = _new_wrapper(LazyTensor, shape, stride, offset, dtype=dtype, device=_DEVICE)
+    t._st = storage
+    t._view = view
+    t._vcache = vcache
+    t._desc = desc
+    return t
+
+
+def _dispatch(func, args, kwargs):  # replaced by torchacc.dispatch at import
+    raise RuntimeError("torchacc.dispatch not loaded")
