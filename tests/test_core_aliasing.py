@@ -1,0 +1,212 @@
+"""Eager semantics of mutation and aliasing: each case runs on CPU and on torchacc, and every
+tensor the case touched must match afterwards (outputs and the mutated inputs)."""
+
+import pytest
+import torch
+
+import torchacc
+
+
+def _setitem_col(x, y):
+    x[:, 0] = y[:, 1]
+    return x
+
+
+def _view_add(x, y):
+    x.view(-1).add_(1)
+    return x
+
+
+def _transpose_write(x, y):
+    x.t()[1].mul_(3)
+    return x
+
+
+def _chain_of_views(x, y):
+    v = x[1:].transpose(0, 1)
+    v[0].fill_(-2)
+    return x, v
+
+
+def _slice_step(x, y):
+    x[::2, 1:3] += y[::2, :2]
+    return x
+
+
+def _select_neg(x, y):
+    x[-1] = 5
+    return x
+
+
+def _copy_broadcast(x, y):
+    x.copy_(y[0])
+    return x
+
+
+def _diag_write(x, y):
+    x.diagonal().zero_()
+    return x
+
+
+def _unbind_write(x, y):
+    a, b, c = x.unbind(0)
+    b.add_(10)
+    return x, a
+
+
+def _split_write(x, y):
+    parts = x.split(2, dim=1)
+    parts[1].mul_(0)
+    return x
+
+
+def _as_strided_write(x, y):
+    v = x.as_strided((2, 2), (4, 1), 1)
+    v.add_(100)
+    return x
+
+
+def _expand_read_after_write(x, y):
+    e = x[0].expand(3, 4)
+    x.add_(1)
+    return e.clone()
+
+
+def _view_sees_base_write(x, y):
+    v = x[:, 1]
+    x.mul_(2)
+    return v.clone(), x
+
+
+def _data_assign(x, y):
+    x.data = y.clone()
+    x.add_(1)
+    return x
+
+
+def _inplace_dtype(x, y):
+    x.add_(y.double())
+    return x
+
+
+def _detach_shares(x, y):
+    d = x.detach()
+    d.sub_(1)
+    return x
+
+
+def _squeeze_unsqueeze(x, y):
+    x.unsqueeze(0).squeeze(0)[2].fill_(9)
+    return x
+
+
+def _permute_write(x, y):
+    z = x.view(3, 2, 2).permute(2, 0, 1)
+    z[1] = 0
+    return x
+
+
+def _index_put(x, y):
+    x[torch.tensor([0, 2]), torch.tensor([1, 3])] = torch.tensor([7.0, 8.0])
+    return x
+
+
+def _masked_fill_(x, y):
+    x.masked_fill_(y > 0, 0.5)
+    return x
+
+
+def _out_arg(x, y):
+    torch.add(x, y, out=x)
+    return x
+
+
+def _clamp_view(x, y):
+    x[1:].clamp_(min=0)
+    return x
+
+
+def _narrow_write(x, y):
+    x.narrow(1, 1, 2).copy_(torch.ones(3, 2))
+    return x
+
+
+def _zero_grad_style(x, y):
+    z = x.clone()
+    z.zero_()
+    return z, x
+
+
+def _t_data_inplace(x, y):
+    x.data.mul_(2)
+    return x
+
+
+CASES = [v for k, v in sorted(globals().items()) if k.startswith("_") and callable(v)
+         and k not in ("_run",)]
+
+
+def _run(fn, device):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 4, generator=g)
+    y = torch.randn(3, 4, generator=g)
+    x, y = x.to(device), y.to(device)
+    if device.type == "torchacc":
+        # in-case helpers make CPU tensors (torch.tensor([...])) they go to the device too
+        pass
+    out = fn(x, y)
+    outs = out if isinstance(out, tuple) else (out,)
+    return [t.cpu() for t in outs] + [x.cpu(), y.cpu()]
+
+
+@pytest.mark.parametrize("fn", CASES, ids=lambda f: f.__name__.strip("_"))
+def test_aliasing_matches_eager(fn):
+    want = _run(fn, torch.device("cpu"))
+    got = _run(_on_device(fn), torchacc.device())
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype
+        torch.testing.assert_close(g, w)
+
+
+def _on_device(fn):
+    """Run ``fn`` with torch.tensor(...) literals created on the device, as a user would."""
+
+    def wrapped(x, y):
+        orig = torch.tensor
+
+        def tensor(data, **kw):
+            kw.setdefault("device", x.device)
+            return orig(data, **kw)
+
+        torch.tensor = tensor
+        try:
+            return fn(x, y)
+        finally:
+            torch.tensor = orig
+
+    return wrapped
+
+
+def test_writes_then_sync_then_views():
+    dev = torchacc.device()
+    x = torch.zeros(4, 4).to(dev)
+    v = x[1]
+    torchacc.sync()
+    v.add_(1)
+    torchacc.sync()
+    x[2, 2] = 3
+    assert v.cpu().tolist() == [1.0] * 4
+    assert x.cpu()[2, 2].item() == 3
+    assert x.sum().item() == 7
+
+
+def test_batchnorm_running_stats_update():
+    torch.manual_seed(0)
+    bn = torch.nn.BatchNorm1d(3)
+    dbn = torch.nn.BatchNorm1d(3).to(torchacc.device())
+    x = torch.randn(5, 3)
+    bn(x)
+    dbn(x.to(torchacc.device()))
+    torch.testing.assert_close(dbn.running_mean.cpu(), bn.running_mean)
+    torch.testing.assert_close(dbn.running_var.cpu(), bn.running_var)
+    assert dbn.num_batches_tracked.item() == 1

@@ -1,0 +1,233 @@
+"""Device API, host reads, factories, RNG, fallbacks, metrics and the compile caches."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import torchacc
+from torchacc import metrics
+
+DEV = torchacc.device()
+
+
+def test_device_identity():
+    x = torch.ones(2).to(DEV)
+    assert x.device == DEV and x.device.type == "torchacc"
+    assert torchacc.device_hw() in ("CPU", "GPU")
+    with pytest.raises(ValueError, match="index must be 0"):
+        torchacc.device(3)
+
+
+def test_factories_on_device():
+    torch.manual_seed(0)
+    cases = {
+        "empty": torch.empty(2, 3, device=DEV).shape,
+        "zeros": torch.zeros(2, 3, device=DEV).cpu(),
+        "ones": torch.ones(2, 3, dtype=torch.bfloat16, device=DEV).cpu(),
+        "full": torch.full((2,), 7, device=DEV).cpu(),
+        "arange": torch.arange(1, 10, 2, device=DEV).cpu(),
+        "tensor": torch.tensor([[1, 2], [3, 4]], device=DEV).cpu(),
+        "zeros_like": torch.zeros_like(torch.ones(3).to(DEV)).cpu(),
+        "full_like": torch.full_like(torch.ones(3).to(DEV), 2.5).cpu(),
+    }
+    assert cases["empty"] == (2, 3)
+    assert cases["zeros"].equal(torch.zeros(2, 3))
+    assert cases["ones"].dtype == torch.bfloat16 and cases["ones"].float().sum() == 6
+    assert cases["full"].equal(torch.full((2,), 7))
+    assert cases["arange"].equal(torch.arange(1, 10, 2))
+    assert cases["tensor"].equal(torch.tensor([[1, 2], [3, 4]]))
+    assert cases["zeros_like"].equal(torch.zeros(3))
+    assert cases["full_like"].equal(torch.full((3,), 2.5))
+    r = torch.rand(1000, device=DEV).cpu()
+    n = torch.randn(1000, device=DEV).cpu()
+    i = torch.randint(3, 7, (1000,), device=DEV).cpu()
+    assert 0 <= r.min() and r.max() < 1 and abs(r.mean() - 0.5) < 0.05
+    assert abs(n.mean()) < 0.15 and abs(n.std() - 1) < 0.15
+    assert i.dtype == torch.int64 and i.min() == 3 and i.max() == 6
+
+
+def test_host_reads_count_transfers():
+    x = torch.arange(6.0).to(DEV).view(2, 3)
+    metrics.clear_all()
+    y = x * 2
+    assert y.sum().item() == 30.0
+    assert metrics.counter_value("TransferFromDevice") == 1
+    assert y.tolist() == [[0.0, 2.0, 4.0], [6.0, 8.0, 10.0]]
+    assert (y.numpy() == (torch.arange(6.0).view(2, 3) * 2).numpy()).all()
+    assert "device='torchacc:0'" in repr(y)
+    assert bool((y > 9).any()) is True
+    if y.max() > 5:
+        pass
+    assert metrics.counter_value("TransferFromDevice") == 5
+
+
+def test_reading_runs_only_what_it_needs():
+    x = torch.ones(3).to(DEV)
+    a = x + 1
+    b = x * 5  # pending, not needed by a.item()
+    metrics.clear_all()
+    assert a.sum().item() == 6
+    assert b._st.value.node is not None  # still pending
+    torchacc.sync()
+    assert b._st.value.node is None and b.cpu().tolist() == [5.0] * 3
+
+
+def test_rng_steps_differ_and_runs_reproduce():
+    def run():
+        torch.manual_seed(1234)
+        drop = torch.nn.Dropout(0.5)
+        x = torch.ones(64).to(DEV)
+        first = drop(x)
+        torchacc.sync()
+        second = drop(x)
+        return first.cpu(), second.cpu()
+
+    a1, a2 = run()
+    b1, b2 = run()
+    assert not a1.equal(a2)
+    assert a1.equal(b1) and a2.equal(b2)
+    assert set(a1.unique().tolist()) <= {0.0, 2.0}
+
+
+def test_scalar_values_do_not_recompile():
+    x = torch.ones(4).to(DEV)
+    torchacc.sync()
+    metrics.clear_all()
+    for lr in (0.1, 0.01, 0.001, 0.5):
+        x.add_(x * lr, alpha=-lr)
+        torchacc.sync()
+    assert metrics.counter_value("UncachedCompile") in (None, 1) or \
+        metrics.counter_value("PersistentCacheHit") is not None
+    compiles = (metrics.counter_value("UncachedCompile") or 0) + \
+        (metrics.counter_value("PersistentCacheHit") or 0)
+    assert compiles == 1
+    assert metrics.counter_value("CachedCompile") == 3
+    want = torch.ones(4)
+    for lr in (0.1, 0.01, 0.001, 0.5):
+        want.add_(want * lr, alpha=-lr)
+    torch.testing.assert_close(x.cpu(), want)
+
+
+def test_sync_is_async_and_wait_blocks():
+    x = torch.randn(64, 64).to(DEV)
+    for _ in range(3):
+        x = x @ x / 64
+    torchacc.sync()
+    torchacc.sync(wait=True)
+    assert torch.isfinite(x.cpu()).all()
+
+
+def test_parameters_are_donated():
+    lin = torch.nn.Linear(4, 4).to(DEV)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    for _ in range(2):
+        lin(torch.ones(2, 4).to(DEV)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        old = lin.weight._st.value
+        torchacc.sync()
+    # the previous weight buffer was handed to the new one
+    assert old.array is None or old.array.is_deleted()
+
+
+def test_fallback_counts_and_warns():
+    x = torch.randn(7).to(DEV)
+    metrics.clear_all()
+    with pytest.warns(UserWarning, match="aten.kthvalue"):
+        v, i = torch.kthvalue(x, 3)
+    want = torch.kthvalue(x.cpu(), 3)
+    assert v.device == DEV and v.item() == want.values.item()
+    assert metrics.counter_value("aten::kthvalue") == 1
+    assert "aten::kthvalue" in metrics.executed_fallback_ops()
+
+
+def test_strict_mode_raises(monkeypatch):
+    monkeypatch.setenv("TORCHACC_STRICT", "1")
+    x = torch.randn(7).to(DEV)
+    with pytest.raises(RuntimeError, match="aten.median"):
+        torch.median(x)
+
+
+def test_mixing_devices_is_a_clear_error():
+    with pytest.raises(RuntimeError, match="same device"):
+        torch.ones(3).to(DEV) + torch.ones(3)
+
+
+def test_state_dict_roundtrip(tmp_path):
+    model = torch.nn.Linear(3, 2).to(DEV)
+    path = tmp_path / "m.pt"
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path)
+    assert loaded["weight"].device.type == "cpu"
+    fresh = torch.nn.Linear(3, 2).to(DEV)
+    fresh.load_state_dict(loaded)
+    torch.testing.assert_close(fresh.weight.cpu(), model.weight.cpu())
+
+
+def test_hooks_and_custom_function():
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, g):
+            (x,) = ctx.saved_tensors
+            return 2 * x * g
+
+    x = torch.arange(4.0).to(DEV).requires_grad_()
+    seen = []
+    x.register_hook(lambda g: seen.append(g) or g * 10)
+    Square.apply(x).sum().backward()
+    assert x.grad.cpu().tolist() == [0.0, 20.0, 40.0, 60.0]
+    assert seen[0].cpu().tolist() == [0.0, 2.0, 4.0, 6.0]
+
+
+_SCRIPT = textwrap.dedent("""
+    import torch, torchacc
+    from torchacc import metrics
+    x = torch.arange(12.0).to(torchacc.device()).view(3, 4)
+    y = (x * 2 + 1).sum(0)
+    print("RESULT", y.cpu().tolist(), metrics.counter_value("UncachedCompile"),
+          metrics.counter_value("PersistentCacheHit"))
+""")
+
+
+def _run_script(env, script=_SCRIPT):
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def test_persistent_cache_survives_restart(tmp_path):
+    env = dict(os.environ, TORCHACC_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+               PYTHONPATH=os.pathsep.join(sys.path))
+    first = _run_script(env).stdout.split("RESULT")[1].split()
+    second = _run_script(env).stdout.split("RESULT")[1].split()
+    assert first[-2] != "None" and first[-1] == "None"  # compiled, no hit
+    assert second[-2] == "None" and second[-1] != "None"  # nothing compiled, all from disk
+
+
+def test_debug_explains_recompiles(tmp_path):
+    env = dict(os.environ, TORCHACC_DEBUG="1", TORCHACC_CACHE_DIR=str(tmp_path / "c"),
+               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    script = textwrap.dedent("""
+        import torch, torchacc
+        for n in (4, 4, 5):
+            x = torch.ones(n).to(torchacc.device())
+            (x * 3).sum().item()
+        y = torch.ones(5).to(torchacc.device())
+        (y - 3).sum().item()
+    """)
+    err = _run_script(env, script).stderr
+    lines = [ln for ln in err.splitlines() if ln.startswith("torchacc: compiling")]
+    assert len(lines) == 3, err
+    assert "first graph" in lines[0]
+    assert "input 0 has shape (5,)" in lines[1] and "(4,)" in lines[1]
+    assert "aten.sub" in lines[2]
