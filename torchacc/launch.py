@@ -2,8 +2,8 @@
 
 ::
 
-    python launch_single_task.py --nproc_per_node=1 --amp_level=O1 --batch_size=128                 # baseline
-    python launch_single_task.py --nproc_per_node=8 --amp_level=O1 --compiler-opt --batch_size=128  # torchacc
+    python launch_single_task.py --nproc_per_node=1 --amp_level=O1 --batch_size=128  # baseline
+    python launch_single_task.py --nproc_per_node=8 --amp_level=O1 --compiler-opt --batch_size=128
 
 The launcher parses and validates the flags (a bad flag is an argparse usage error, exit code 2),
 then starts ``--nproc_per_node`` workers per node with ``torch.distributed.run`` (torchrun's
@@ -275,7 +275,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         if args.data != "mock":
             parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
     if args.torch_compile and args.compiler_opt:
-        parser.error("--torch_compile is for the eager path; it cannot be combined with --compiler-opt")
+        parser.error(
+            "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
+        )
     return args
 
 

@@ -1,0 +1,500 @@
+"""The training loop of the gallery, shaped like TorchAcc's ResNet-50 ``main.py`` recipe.
+
+One loop serves every gallery model and both paths; :class:`Task` supplies the model, the data
+and the loss. The two paths differ only where the recipe says they do (eager | torchacc):
+
+- process group: ``nccl`` on GPU / ``gloo`` on CPU  |  ``xla``
+  (``import torchacc.torch_xla.distributed.xla_backend``)
+- device: ``cuda:LOCAL_RANK`` or CPU  |  ``xm.xla_device()`` +
+  ``xm.set_replication(device, [device])``
+- model: DDP (channels_last + cudnn.benchmark for CNNs on GPU)  |  ``model.to(device)``;
+  ``xm.mark_step()``
+- optimizer: ``torch.optim.AdamW`` (fused on CUDA)  |  ``syncfree.AdamW`` under AMP, else AdamW
+- AMP O1: ``torch.autocast`` (+ ``torch.amp.GradScaler`` for fp16)  |  ``autocast(device,
+  dtype=...)`` (+ ``GradScaler()`` for fp16) from ``torchacc.torch_xla.amp``
+- gradients: DDP all-reduce during backward  |  ``xm._fetch_gradients(optimizer)`` +
+  ``xm.all_reduce('sum', grads, scale=1.0 / world_size)``
+- end of step: nothing  |  ``xm.mark_step()``
+
+Losses stay on the device and are read once per ``--log_interval`` steps (one host sync per
+interval on either path), which is also when the progress line is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gallery.common.checkpoint import (
+    atomic_write_bytes,
+    load_checkpoint,
+    save_checkpoint,
+    to_cpu,
+)
+from gallery.common.data import EpochBatches
+from gallery.common.logger import (
+    create_logger,
+    enable_torchacc_compiler,
+    enable_torchacc_kernel,
+    format_duration,
+    log_metrics,
+    log_params,
+    peak_memory_gib,
+    reset_peak_memory_fn,
+    set_peak_memory_fn,
+)
+from torchacc.launch import LAUNCH_ONLY, find_free_port, mpi_environment, parse_args
+
+__all__ = ["Task", "run", "train", "resolve_amp_dtype", "step_seed"]
+
+
+@dataclass
+class Task:
+    """What a gallery model plugs into the shared loop."""
+
+    name: str
+    build_model: Callable[[argparse.Namespace], nn.Module]
+    build_dataset: Callable[[argparse.Namespace], object]
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    default_lr: float
+    default_weight_decay: float
+    # Applied to the input batch on the device (e.g. uint8 images -> normalized float).
+    preprocess: Callable[[torch.Tensor], torch.Tensor] | None = None
+    channels_last: bool = False  # a CNN: channels_last + cudnn.benchmark on the eager GPU path
+    tokens_per_sample: int | None = None  # language models: also report tokens/s
+    describe: Callable[[nn.Module], str] | None = None
+
+
+# ----------------------------------------------------------------------------- helpers
+def _ensure_distributed_env() -> None:
+    """Let a worker also run alone (``python -m gallery.resnet50.main``) or under mpirun."""
+    mpi = mpi_environment()
+    if mpi is not None and "RANK" not in os.environ:
+        os.environ.update(mpi)
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        if os.environ["WORLD_SIZE"] != "1":
+            raise RuntimeError("MASTER_PORT is not set; start the workers with the launcher")
+        os.environ["MASTER_PORT"] = str(find_free_port())
+
+
+def resolve_amp_dtype(args: argparse.Namespace, cuda: bool) -> torch.dtype | None:
+    """None for O0; else the --amp_dtype, by default bf16 where supported (not on pre-Ampere
+    GPUs such as V100, which get fp16)."""
+    if args.amp_level == "O0":
+        return None
+    name = args.amp_dtype
+    if name is None:
+        name = "fp16" if cuda and not torch.cuda.is_bf16_supported() else "bf16"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def step_seed(seed: int, rank: int, step: int) -> int:
+    """The RNG seed of ``step`` on ``rank``: random ops (dropout) depend only on (seed, rank,
+    step), so a resumed run draws exactly what an uninterrupted one would."""
+    return (seed * 1_000_003 + rank * 7_919 + step * 104_729 + 1) % (2**63 - 1)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        else:
+            return model
+
+
+def _xla_peak_memory_fn(xm, device) -> Callable[[], float]:
+    """Peak device bytes from ``xm.get_memory_info``, whichever torch_xla-era keys it returns."""
+
+    def read() -> float:
+        info = xm.get_memory_info(device)
+        for key in ("peak_bytes_used", "bytes_used"):
+            if key in info:
+                return float(info[key])
+        if "kb_total" in info and "kb_free" in info:
+            return float(info["kb_total"] - info["kb_free"]) * 1024.0
+        raise KeyError(f"unexpected xm.get_memory_info keys: {sorted(info)}")
+
+    return read
+
+
+def _write_json(path: str, payload: dict) -> None:
+    data = json.dumps(payload, indent=1, default=str).encode()
+    atomic_write_bytes(path, lambda f: f.write(data))
+
+
+# ----------------------------------------------------------------------------- entry points
+def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | None = None) -> dict:
+    """Parse the launcher's flags, build the task and train. Returns the metrics (rank 0)."""
+    args = parse_args(argv)
+    _ensure_distributed_env()
+    os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
+    if args.kernel_opt:
+        os.environ["TORCHACC_KERNEL_OPT"] = "1"
+    return train(task_factory(args), args)
+
+
+def train(task: Task, args: argparse.Namespace) -> dict:
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    logger = create_logger(rank=rank)
+    compiler = enable_torchacc_compiler()
+
+    if compiler:
+        # torchacc: the TorchAcc recipe's imports, unchanged but for the package name.
+        import torchacc.torch_xla.core.xla_model as xm
+        import torchacc.torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
+        from torchacc.torch_xla.amp import GradScaler, autocast, syncfree
+    else:
+        xm = autocast = GradScaler = syncfree = None
+
+    lr = args.lr if args.lr is not None else task.default_lr
+    weight_decay = args.weight_decay if args.weight_decay is not None else task.default_weight_decay
+
+    # Same seed on every rank: the replicas start identical without a broadcast.
+    torch.manual_seed(args.seed)
+    model = task.build_model(args)
+    dataset = task.build_dataset(args)
+    n_params = sum(p.numel() for p in model.parameters())
+
+    ckpt = None
+    if args.resume:
+        ckpt = load_checkpoint(args.resume)
+        model.load_state_dict(ckpt["model"])
+
+    # ---- distributed init + device placement
+    cuda = False
+    if compiler:
+        dist.init_process_group(backend="xla", init_method="env://")
+        device = xm.xla_device()
+        xm.set_replication(device, [device])
+        rank, world_size = xm.get_ordinal(), xm.xrt_world_size()
+        model.to(device)
+        xm.mark_step()
+        set_peak_memory_fn(_xla_peak_memory_fn(xm, device), "xla")
+        mode = "torchacc"
+    else:
+        cuda = torch.cuda.is_available()
+        if cuda:
+            device = torch.device("cuda", local_rank)
+            torch.cuda.set_device(device)
+            dist.init_process_group(backend="nccl", init_method="env://", device_id=device)
+            set_peak_memory_fn(lambda: torch.cuda.max_memory_allocated(device), "cuda")
+        else:
+            device = torch.device("cpu")
+            dist.init_process_group(backend="gloo", init_method="env://")
+            reset_peak_memory_fn()
+        dist.barrier()
+        rank, world_size = dist.get_rank(), dist.get_world_size()
+        if cuda and task.channels_last:
+            model = model.to(memory_format=torch.channels_last)
+            torch.backends.cudnn.benchmark = True
+        if cuda and args.amp_level != "O0":
+            torch.backends.cuda.matmul.allow_tf32 = True
+            torch.backends.cudnn.allow_tf32 = True
+        model.to(device)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True
+        )
+        if args.torch_compile:
+            model = torch.compile(model)
+        mode = "eager+compile" if args.torch_compile else "eager"
+
+    amp_dtype = resolve_amp_dtype(args, cuda)
+    use_scaler = amp_dtype == torch.float16
+
+    # ---- optimizer and scaler
+    if compiler and amp_dtype is not None:
+        optimizer_cls, opt_kwargs = syncfree.AdamW, {}
+    else:
+        optimizer_cls, opt_kwargs = torch.optim.AdamW, ({"fused": True} if cuda else {})
+    optimizer = optimizer_cls(model.parameters(), lr, weight_decay=weight_decay, **opt_kwargs)
+    if not use_scaler:
+        scaler = None
+    elif compiler:
+        scaler = GradScaler()
+    else:
+        scaler = torch.amp.GradScaler(device.type)
+
+    def autocast_context_manager():
+        if amp_dtype is None:
+            return contextlib.nullcontext()
+        if compiler:
+            return autocast(device, dtype=amp_dtype)
+        return torch.autocast(device.type, dtype=amp_dtype)
+
+    start_step = 0
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        if scaler is not None and ckpt.get("scaler"):
+            scaler.load_state_dict(ckpt["scaler"])
+        start_step = int(ckpt["step"])
+        rng = ckpt.get("rng") or {}
+        if "torch" in rng:
+            torch.set_rng_state(rng["torch"])
+        del ckpt
+
+    # ---- data
+    workers = args.workers
+    if workers is None:
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        workers = max(0, min(8, (cpus or 1) // max(local_world, 1) - 1))
+    loader = EpochBatches(
+        dataset,
+        args.batch_size,
+        rank,
+        world_size,
+        args.seed,
+        workers=workers,
+        pin_memory=cuda,
+    )
+    steps_per_epoch = loader.steps_per_epoch
+    total_steps = args.max_steps if args.max_steps is not None else args.epochs * steps_per_epoch
+    steps_to_run = max(total_steps - start_step, 0)
+    warmup = args.warmup_steps if args.warmup_steps is not None else min(5, steps_to_run // 2)
+    warmup = min(warmup, max(steps_to_run - 1, 0))
+    samples_per_step = args.batch_size * world_size
+    dtype_name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
+    device_name = str(device)
+
+    if rank == 0:
+        desc = task.describe(_unwrap(model)) if task.describe else task.name
+        log_params(
+            {k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY},
+            logger,
+            mode=mode,
+            device=device_name,
+            world_size=world_size,
+            amp=f"{args.amp_level}/{dtype_name}" + ("+GradScaler" if scaler is not None else ""),
+            optimizer=optimizer_cls.__module__ + "." + optimizer_cls.__name__,
+            lr_resolved=lr,
+            weight_decay_resolved=weight_decay,
+            steps_per_epoch=steps_per_epoch,
+            total_steps=total_steps,
+            start_step=start_step,
+            parameters=f"{n_params:,}",
+            kernel_opt=enable_torchacc_kernel(),
+            model_desc=desc,
+        )
+
+    def save(step: int) -> None:
+        if rank != 0:
+            return
+        if compiler:
+            xm.mark_step()
+        state = {
+            "model": to_cpu(_unwrap(model).state_dict()),
+            "optimizer": to_cpu(optimizer.state_dict()),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            "step": step,
+            "epoch": step // steps_per_epoch,
+            "rng": {"torch": torch.get_rng_state(), "scheme": "per-step reseed (step_seed)"},
+            "args": vars(args),
+            "model_name": task.name,
+        }
+        path = save_checkpoint(args.save_dir, state, step)
+        logger.info(f"saved checkpoint {path}")
+
+    # ---- the loop
+    steps: list[int] = []
+    losses: list[float] = []
+    step_times: list[float] = []
+    intervals: list[dict] = []
+    pending: list[torch.Tensor] = []
+    model.train()
+
+    def fetch_losses() -> None:
+        # The only device->host read of the loop: once per log interval.
+        if not pending:
+            return
+        if compiler:
+            values = [float(t.cpu()) for t in pending]
+        else:
+            values = torch.stack(pending).float().cpu().tolist()
+        losses.extend(values)
+        pending.clear()
+
+    step = start_step
+    t_start = time.perf_counter()
+    t_last = t_interval = t_start
+    interval_start_step = step
+    t_warm = None
+    first_step_time = None
+    while step < total_steps:
+        epoch, offset = divmod(step, steps_per_epoch)
+        for inputs, target in loader.batches(epoch, offset, offset + total_steps - step):
+            torch.manual_seed(step_seed(args.seed, rank, step))
+            if compiler:
+                inputs, target = inputs.to(device), target.to(device)
+            else:
+                inputs = inputs.to(device, non_blocking=True)
+                target = target.to(device, non_blocking=True)
+                if cuda and task.channels_last:
+                    inputs = inputs.contiguous(memory_format=torch.channels_last)
+            if task.preprocess is not None:
+                inputs = task.preprocess(inputs)
+
+            with autocast_context_manager():
+                output = model(inputs)
+                loss = task.loss_fn(output, target)
+
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is not None:
+                scaler.scale(loss).backward()
+                if compiler:
+                    gradients = xm._fetch_gradients(optimizer)
+                    xm.all_reduce("sum", gradients, scale=1.0 / world_size)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+                loss.backward()
+                if compiler:
+                    gradients = xm._fetch_gradients(optimizer)
+                    xm.all_reduce("sum", gradients, scale=1.0 / world_size)
+                optimizer.step()
+            if compiler:
+                xm.mark_step()
+
+            pending.append(loss.detach())
+            steps.append(step)
+            step += 1
+            done = step - start_step
+            at_log = step % args.log_interval == 0 or step == total_steps
+            at_warm = done == warmup
+            if at_log or at_warm or done == 1:
+                fetch_losses()  # synchronizes with the device
+            now = time.perf_counter()
+            step_times.append(now - t_last)
+            t_last = now
+            if done == 1:
+                first_step_time = now - t_start
+            if at_warm:
+                t_warm = now
+            if at_log and rank == 0:
+                n = step - interval_start_step
+                batch_time = (now - t_interval) / max(n, 1)
+                sps = samples_per_step / batch_time if batch_time > 0 else float("nan")
+                mem, mem_src = peak_memory_gib()
+                eta = batch_time * (total_steps - step)
+                log_metrics(
+                    epoch,
+                    step,
+                    args.batch_size,
+                    losses[-1],
+                    batch_time,
+                    sps,
+                    mem,
+                    total_steps=total_steps,
+                    eta=eta,
+                    mem_source=mem_src,
+                    logger=logger,
+                )
+                intervals.append(
+                    {
+                        "step": step,
+                        "epoch": epoch,
+                        "loss": losses[-1],
+                        "batch_time": batch_time,
+                        "samples_per_sec": sps,
+                        "peak_mem_gib": mem,
+                        "eta_s": eta,
+                    }
+                )
+            if at_log:
+                t_interval, interval_start_step = now, step
+            if args.save_dir and args.save_interval and step % args.save_interval == 0:
+                save(step)
+    fetch_losses()
+    t_end = time.perf_counter()
+
+    if args.save_dir and steps_to_run > 0 and (not args.save_interval or step % args.save_interval):
+        save(step)
+
+    # ---- summary
+    steady_steps = steps_to_run - warmup
+    if t_warm is None:
+        t_warm = t_start
+    steady_time = t_end - t_warm
+    steady_sps = samples_per_step * steady_steps / steady_time if steady_time > 0 else float("nan")
+    peak_mem, mem_src = peak_memory_gib()
+    summary = {
+        "mode": mode,
+        "model": args.model,
+        "world_size": world_size,
+        "device": device_name,
+        "amp": f"{args.amp_level}/{dtype_name}",
+        "start_step": start_step,
+        "total_steps": total_steps,
+        "steps_run": steps_to_run,
+        "warmup_steps": warmup,
+        "first_step_time_s": first_step_time,
+        "steady_samples_per_sec": steady_sps,
+        "steady_step_time_s": steady_time / steady_steps if steady_steps > 0 else None,
+        "total_time_s": t_end - t_start,
+        "final_loss": losses[-1] if losses else None,
+        "peak_mem_gib": peak_mem,
+        "peak_mem_source": mem_src,
+    }
+    if task.tokens_per_sample:
+        summary["steady_tokens_per_sec"] = steady_sps * task.tokens_per_sample
+    result = {
+        "config": {
+            **vars(args),
+            "mode": mode,
+            "world_size": world_size,
+            "device": device_name,
+            "amp_dtype_resolved": dtype_name,
+            "grad_scaler": scaler is not None,
+            "lr_resolved": lr,
+            "weight_decay_resolved": weight_decay,
+            "parameters": n_params,
+            "steps_per_epoch": steps_per_epoch,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "host": platform.node(),
+        },
+        "steps": steps,
+        "losses": losses,
+        "step_times": step_times,
+        "samples_per_sec": [samples_per_step / t if t > 0 else None for t in step_times],
+        "intervals": intervals,
+        "summary": summary,
+    }
+    if rank == 0:
+        loss_txt = (
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}" if losses else "no steps (already done)"
+        )
+        tok = (
+            f" ({summary['steady_tokens_per_sec']:.0f} tokens/s)" if task.tokens_per_sample else ""
+        )
+        step_ms = (summary["steady_step_time_s"] or float("nan")) * 1000.0
+        line = (
+            f"[summary] {args.model} {mode} x{world_size} {device.type} {args.amp_level}/"
+            f"{dtype_name} batch {args.batch_size}/proc | steps {start_step}->{step} | {loss_txt}"
+            f" | {steady_sps:.1f} samples/s{tok}, {step_ms:.1f} ms/step after {warmup} warm-up"
+            f" | first step {first_step_time or 0:.2f} s | peak mem {peak_mem:.2f} GiB ({mem_src})"
+            f" | total {format_duration(t_end - t_start)}"
+        )
+        print(line, flush=True)
+        if args.output:
+            _write_json(args.output, result)
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    return result

@@ -1,0 +1,61 @@
+"""Mock token data for the GPT gallery model.
+
+A deterministic corpus (from the seed) of phrases drawn with Zipf-like frequencies from a
+phrase table, so a model can learn something (unigram statistics, then phrases) and the loss
+goes down. Sample ``i`` is the window of ``seq_len + 1`` tokens at a fixed pseudo-random
+offset; inputs are its first ``seq_len`` tokens, targets the last ``seq_len``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+__all__ = ["MockTokens"]
+
+
+class MockTokens(Dataset):
+    def __init__(
+        self,
+        vocab_size: int,
+        seq_len: int,
+        num_samples: int = 1 << 20,
+        seed: int = 0,
+        corpus_tokens: int = 1 << 20,
+    ):
+        self.seq_len = seq_len
+        self.num_samples = num_samples
+        rng = np.random.default_rng([seed, 7])
+        n_phrases = 4096
+        lengths = rng.integers(2, 17, n_phrases)
+        ranks = np.arange(1, vocab_size + 1, dtype=np.float64)
+        probs = 1.0 / ranks**1.1
+        probs /= probs.sum()
+        table = rng.choice(vocab_size, size=int(lengths.sum()), p=probs)
+        starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+        corpus_tokens = max(corpus_tokens, 4 * (seq_len + 1))
+        phrase_p = 1.0 / np.arange(1, n_phrases + 1) ** 0.8
+        phrase_p /= phrase_p.sum()
+        picks = rng.choice(n_phrases, size=corpus_tokens // 4 + 1, p=phrase_p)
+        pieces = [table[starts[k] : starts[k] + lengths[k]] for k in picks]
+        corpus = np.concatenate(pieces)
+        while len(corpus) < corpus_tokens:  # pragma: no cover - phrases average 9 tokens
+            corpus = np.concatenate([corpus, corpus])
+        self.corpus = torch.from_numpy(corpus[:corpus_tokens].astype(np.int64))
+        self.span = len(self.corpus) - (seq_len + 1) + 1
+        self.arange = torch.arange(seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def _offsets(self, indices: torch.Tensor) -> torch.Tensor:
+        return (indices * 2_654_435_761 + 12_345) % self.span
+
+    def get_batch(self, indices: torch.Tensor):
+        windows = self.corpus[self._offsets(indices)[:, None] + self.arange]
+        return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+    def __getitem__(self, index: int):
+        x, y = self.get_batch(torch.tensor([index]))
+        return x[0], y[0]
