@@ -14,9 +14,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
 from jax import lax
 
-import torch
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -143,14 +143,31 @@ def float_dtype(dtype):
     return np.dtype(dtype) if is_floating(dtype) else default_float()
 
 
-def _binary(fn, *, math=True, out=None):
+def _is_scalar(v):
+    return isinstance(v, (Wrapped,) + _PY_NUMBER) or jnp.ndim(v) == 0
+
+
+def operand(v, dtype, keep_scalar=False):
+    """``v`` as torch's CPU kernels see it in a ``dtype`` op: in ``dtype``, then upcast to opmath.
+
+    Scalars (and 0-d tensors) are first rounded to ``dtype`` (torch wraps them as tensors of the
+    common dtype), except where the kernel reads them at opmath precision (``keep_scalar``: mul,
+    div, addcmul's value, lerp's weight, activation parameters).
+    """
+    ct = opmath_dtype(dtype)
+    if keep_scalar and _is_scalar(v):
+        return cast(v, ct)
+    return cast(cast(v, dtype), ct)
+
+
+def _binary(fn, *, math=True, out=None, keep_scalar=False):
     """Rule body: promote both operands, apply ``fn`` (in opmath when ``math``), cast back."""
 
     def rule(a, b):
         dt = result_type(a, b)
-        ct = opmath_dtype(dt) if math else dt
-        r = fn(cast(a, ct), cast(b, ct))
-        return r.astype(out or dt)
+        if not math:
+            return fn(cast(a, dt), cast(b, dt)).astype(out or dt)
+        return fn(operand(a, dt, keep_scalar), operand(b, dt, keep_scalar)).astype(out or dt)
 
     return rule
 
@@ -169,38 +186,33 @@ def _unary_float(fn):
 # Arithmetic
 
 
+def _add(a, b, alpha, dt):
+    b = operand(b, dt)
+    if not (isinstance(alpha, _PY_NUMBER) and alpha == 1):
+        b = b * operand(alpha, dt)
+    return (operand(a, dt) + b).astype(dt)
+
+
 @register(aten.add.Tensor, aten.add.Scalar)
 def add(self, other, alpha=1):
-    dt = result_type(self, other)
-    ct = opmath_dtype(dt)
-    b = cast(other, ct)
-    if not (isinstance(alpha, _PY_NUMBER) and alpha == 1):
-        b = b * cast(alpha, ct)
-    return (cast(self, ct) + b).astype(dt)
+    return _add(self, other, alpha, result_type(self, other))
+
+
+def _negate(v):
+    return Wrapped(-v.value) if isinstance(v, Wrapped) else -v
 
 
 @register(aten.sub.Tensor, aten.sub.Scalar)
 def sub(self, other, alpha=1):
-    return add(self, _negate(other), alpha)
-
-
-def _negate(v):
-    if isinstance(v, Wrapped):
-        return Wrapped(-v.value)
-    return -v
+    return _add(self, other, _negate(alpha), result_type(self, other))
 
 
 @register(aten.rsub.Tensor, aten.rsub.Scalar)
 def rsub(self, other, alpha=1):
-    dt = result_type(self, other)
-    ct = opmath_dtype(dt)
-    b = cast(self, ct)
-    if not (isinstance(alpha, _PY_NUMBER) and alpha == 1):
-        b = b * cast(alpha, ct)
-    return (cast(other, ct) - b).astype(dt)
+    return _add(other, self, _negate(alpha), result_type(self, other))
 
 
-register(aten.mul.Tensor, aten.mul.Scalar)(_binary(jnp.multiply))
+register(aten.mul.Tensor, aten.mul.Scalar)(_binary(jnp.multiply, keep_scalar=True))
 
 
 def _div_floor_float(a, b):
@@ -218,10 +230,9 @@ def _divide(a, b, rounding_mode=None):
     dt = result_type(a, b)
     if rounding_mode is None:
         dt = float_dtype(dt)
-        ct = opmath_dtype(dt)
-        return (cast(a, ct) / cast(b, ct)).astype(dt)
-    ct = opmath_dtype(dt)
-    a, b = cast(a, ct), cast(b, ct)
+    a, b = operand(a, dt, keep_scalar=True), operand(b, dt, keep_scalar=True)
+    if rounding_mode is None:
+        return (a / b).astype(dt)
     if rounding_mode == "trunc":
         r = jnp.trunc(a / b) if is_floating(dt) else lax.div(a, b)
     elif rounding_mode == "floor":
@@ -270,7 +281,7 @@ def pow_tensor_scalar(self, exponent):
         return jnp.sqrt(x).astype(dt)
     if isinstance(e, _PY_NUMBER) and e == -0.5:
         return lax.rsqrt(x).astype(dt)
-    return jnp.power(x, cast(e, x.dtype)).astype(dt)
+    return jnp.power(x, operand(e, dt)).astype(dt)
 
 
 register(aten.pow.Tensor_Tensor)(_binary(jnp.power))
@@ -284,24 +295,22 @@ def pow_scalar(self, exponent):
 @register(aten.addcmul.default)
 def addcmul(self, tensor1, tensor2, *, value=1):
     dt = result_type(self, tensor1, tensor2)
-    ct = opmath_dtype(dt)
-    r = cast(self, ct) + cast(value, ct) * cast(tensor1, ct) * cast(tensor2, ct)
-    return r.astype(dt)
+    a, b, c, v = (operand(t, dt, keep_scalar=True) for t in (self, tensor1, tensor2, value))
+    return (a + v * b * c).astype(dt)
 
 
 @register(aten.addcdiv.default)
 def addcdiv(self, tensor1, tensor2, *, value=1):
     dt = result_type(self, tensor1, tensor2)
-    ct = opmath_dtype(dt)
-    r = cast(self, ct) + cast(value, ct) * cast(tensor1, ct) / cast(tensor2, ct)
-    return r.astype(dt)
+    a, b, c, v = (operand(t, dt, keep_scalar=True) for t in (self, tensor1, tensor2, value))
+    return (a + v * b / c).astype(dt)
 
 
 @register(aten.lerp.Scalar, aten.lerp.Tensor)
 def lerp(self, end, weight):
     dt = result_type(self, end)
-    ct = opmath_dtype(dt)
-    a, b, w = cast(self, ct), cast(end, ct), cast(weight, ct)
+    a, b = operand(self, dt), operand(end, dt)
+    w = operand(weight, dt, keep_scalar=True)
     return jnp.where(jnp.abs(w) < 0.5, a + w * (b - a), b - (b - a) * (1 - w)).astype(dt)
 
 
@@ -316,8 +325,7 @@ def _xlogy(x, y):
 def _float_binary(fn):
     def rule(a, b):
         dt = float_dtype(result_type(a, b))
-        ct = opmath_dtype(dt)
-        return fn(cast(a, ct), cast(b, ct)).astype(dt)
+        return fn(operand(a, dt), operand(b, dt)).astype(dt)
 
     return rule
 
@@ -634,12 +642,6 @@ def _softplus(x, beta=1.0, threshold=20.0):
     return jnp.where(x * beta > threshold, x, jnp.log1p(jnp.exp(x * beta)) / beta)
 
 
-def _logit(x, eps=None):
-    if eps is not None:
-        x = jnp.clip(x, eps, 1 - eps)
-    return jnp.log(x / (1 - x))
-
-
 def _hardsigmoid(x):
     return jnp.clip(x + 3, 0, 6) / 6
 
@@ -654,7 +656,6 @@ _ACTIVATIONS = {
     aten.elu.default: _elu,
     aten.celu.default: lambda x, alpha=1.0: _elu(x, alpha, 1.0, 1.0 / alpha),
     aten.leaky_relu.default: lambda x, slope=0.01: jnp.where(x > 0, x, x * slope),
-    aten.logit.default: _logit,
     aten.hardshrink.default: lambda x, lambd=0.5: jnp.where(jnp.abs(x) <= lambd, 0, x),
     aten.softshrink.default: lambda x, lambd=0.5: jnp.where(
         x > lambd, x - lambd, jnp.where(x < -lambd, x + lambd, 0)
@@ -662,6 +663,16 @@ _ACTIVATIONS = {
 }
 for _op, _fn in _ACTIVATIONS.items():
     register(_op)(_activation(_fn))
+
+
+@register(aten.logit.default)
+def logit(self, eps=None):
+    # torch's CPU kernel does this in the input dtype (no opmath), rounding after each step
+    x = self if is_floating(self.dtype) else self.astype(default_float())
+    if eps is not None:
+        lo = cast(eps, x.dtype)
+        x = jnp.clip(x, lo, 1 - lo)
+    return jnp.log(x / (1 - x))
 
 
 @register(aten.hardtanh.default)
