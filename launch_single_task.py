@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Entry point of the TorchAcc-style recipes; all logic lives in :mod:`torchacc.launch`.
+"""Entry point of the TorchAcc-style recipes; all logic lives in ``torchacc/launch.py``.
 
     python launch_single_task.py --nproc_per_node=1 --amp_level=O1 --batch_size=128  # baseline
     python launch_single_task.py --nproc_per_node=8 --amp_level=O1 --compiler-opt --batch_size=128
@@ -12,7 +12,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from torchacc.launch import main  # noqa: E402
+# Loads torchacc/launch.py without importing the torchacc package (the compiler core is imported
+# by the workers only with --compiler-opt).
+from gallery.common.launchlib import torchacc_launch  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(torchacc_launch().main())

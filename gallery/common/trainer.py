@@ -43,6 +43,7 @@ from gallery.common.checkpoint import (
     to_cpu,
 )
 from gallery.common.data import EpochBatches
+from gallery.common.launchlib import torchacc_launch
 from gallery.common.logger import (
     create_logger,
     enable_torchacc_compiler,
@@ -54,7 +55,10 @@ from gallery.common.logger import (
     reset_peak_memory_fn,
     set_peak_memory_fn,
 )
-from torchacc.launch import LAUNCH_ONLY, find_free_port, mpi_environment, parse_args
+
+_launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
+LAUNCH_ONLY, find_free_port = _launch.LAUNCH_ONLY, _launch.find_free_port
+mpi_environment, parse_args = _launch.mpi_environment, _launch.parse_args
 
 __all__ = ["Task", "run", "train", "resolve_amp_dtype", "step_seed"]
 
