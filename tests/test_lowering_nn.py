@@ -3,8 +3,9 @@ matmuls, convolution, pooling, normalization, softmax. Losses/embedding/dropout/
 test_lowering_nn_loss.py, attention in test_lowering_nn_attention.py.
 
 ``check_opt`` (below) extends the harness's check_rule to ops whose outputs can be None (backward
-ops with an output_mask) and to outputs where the meta kernel and the CPU kernel disagree on shape
-(``skip=``); the harness drops None outputs positionally, which misaligns (None, t, t).
+ops with an output_mask), to outputs where the meta kernel and the CPU kernel disagree on shape
+(``skip=``), and to tensor keyword arguments. The harness drops None outputs positionally, which
+misaligns (None, t, t), and does not convert tensors passed as keywords.
 """
 
 import jax
@@ -33,6 +34,10 @@ def randn(*shape, dtype=torch.float32, scale=1.0):
     return (torch.randn(shape) * scale).to(dtype)
 
 
+def _to_meta(t):
+    return t.to("meta")
+
+
 def run_opt(op, *args, rng_seed=0, **kwargs):
     """Like lowering_harness.run_rule, keeping None outputs in place. Returns (outs, metas)."""
     rule = lookup(op)
@@ -49,9 +54,10 @@ def run_opt(op, *args, rng_seed=0, **kwargs):
         if value is None or isinstance(value, torch.Tensor):
             continue
         dyn[(where, key)] = [_scalar_array(v) for v in value] if is_list else _scalar_array(value)
-    meta = op(*_map(args, lambda t: t.to("meta")), **_map(kwargs, lambda t: t.to("meta")))
+    # (the harness's _map leaves tensors inside the kwargs dict unconverted; map values here)
+    meta = op(*_map(args, _to_meta), **{n: _map(v, _to_meta) for n, v in kwargs.items()})
     metas = list(meta) if isinstance(meta, (list, tuple)) else [meta]
-    jargs, jkwargs = _map(args, to_jax), _map(kwargs, to_jax)
+    jargs, jkwargs = _map(args, to_jax), {n: _map(v, to_jax) for n, v in kwargs.items()}
 
     def fn(dyn_values):
         a, k = list(jargs), dict(jkwargs)
