@@ -106,25 +106,16 @@ def test_image_codecs_round_trip(tmp_path):
     assert np.array_equal(rdata.load_image(str(tmp_path / "a.npy")), img)
 
 
-def test_prepare_and_image_folder(tmp_path):
-    assert (
-        rdata.main(
-            [
-                "prepare",
-                "--out",
-                str(tmp_path),
-                "--num-images",
-                "6",
-                "--num-classes",
-                "3",
-                "--image-size",
-                "24",
-                "--format",
-                "png",
-            ]
-        )
-        == 0
-    )
+@pytest.mark.parametrize("pillow", [False, True], ids=["builtin-codecs", "pillow"])
+def test_prepare_and_image_folder(tmp_path, monkeypatch, pillow):
+    if pillow and rdata._PILImage is None:
+        pytest.skip("Pillow is not installed")
+    if not pillow:
+        monkeypatch.setattr(rdata, "_PILImage", None)
+    fmt = "jpeg" if pillow else "png"
+    argv = ["prepare", "--out", str(tmp_path), "--num-images", "6", "--num-classes", "3"]
+    assert rdata.main([*argv, "--image-size", "24", "--format", fmt]) == 0
+    assert len(list((tmp_path / "train").glob("*/*.JPEG" if pillow else "*/*.png"))) == 6
     ds = rdata.ImageFolder(str(tmp_path), image_size=16, seed=5)
     assert ds.num_classes == 3 and len(ds) == 6
     assert ds.classes == ["n00000000", "n00000001", "n00000002"]
@@ -133,10 +124,11 @@ def test_prepare_and_image_folder(tmp_path):
     # augmentation depends on (seed, epoch, index) only
     assert torch.equal(ds[2][0], x)
     ds.set_epoch(1)
-    other = [
-        not torch.equal(ds[i][0], rdata.ImageFolder(str(tmp_path), 16, 5)[i][0]) for i in range(6)
-    ]
-    assert any(other)
+    fresh = rdata.ImageFolder(str(tmp_path), 16, 5)
+    assert any(not torch.equal(ds[i][0], fresh[i][0]) for i in range(6))
+    if not pillow:
+        with pytest.raises(RuntimeError, match="needs Pillow"):
+            rdata.prepare(str(tmp_path / "j"), 2, fmt="jpeg")
 
 
 def test_prepare_cli_usage_errors(tmp_path, capsys):

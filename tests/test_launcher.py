@@ -36,6 +36,7 @@ launch = torchacc_launch()
         (["--nnodes", "2", "--node_rank", "2"], "must be < --nnodes"),
         (["--compiler-opt", "--torch_compile"], "cannot be combined"),
         (["--batch"], "unrecognized arguments: --batch"),  # no prefix matching
+        (["--model", "gpt-tiny", "--seq_len", "65"], "> gpt-tiny's block size 64"),
     ],
 )
 def test_bad_flags_are_usage_errors(argv, message, capsys, monkeypatch):
@@ -198,7 +199,7 @@ def test_mpirun_started_process_runs_in_place(tmp_path):
         f"--output={out}",
         env=env,
     )
-    assert "[launch] mpirun process: rank 0/1" in p.stdout
+    assert "[launch] gpt-tiny: mpirun, 1 process(es), this is rank 0" in p.stdout
     assert "[summary] gpt-tiny eager x1" in p.stdout
     check_metrics(load_metrics(out), steps=2, world_size=1)
 

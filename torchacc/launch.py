@@ -15,9 +15,12 @@ parser (:func:`parse_args`).
 Processes that are already workers run the training in-process instead of spawning:
 
 * started by ``mpirun`` (Open MPI ``OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK/LOCAL_SIZE``, or
-  MPICH / Intel MPI ``PMI_RANK/PMI_SIZE`` + ``MPI_LOCALRANKID/MPI_LOCALNRANKS``): these are
-  mapped to ``RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE``;
+  MPICH / Intel MPI ``PMI_RANK/PMI_SIZE`` + ``MPI_LOCALRANKID/MPI_LOCALNRANKS``) with the default
+  ``--nproc_per_node=1``: these are mapped to ``RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE``;
 * started by ``torchrun`` or another launcher that already set ``RANK`` and ``WORLD_SIZE``.
+
+With ``mpirun`` starting one launcher per node and ``--nproc_per_node=N``, MPI ranks are taken as
+node ranks (``--nnodes``/``--node_rank``) and each launcher spawns its N workers with torchrun.
 
 This module imports nothing heavy at import time, so usage errors come back fast.
 """
@@ -124,6 +127,22 @@ def _existing_path(text: str) -> str:
 
 
 # ----------------------------------------------------------------------------- parser
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show a flag's default unless its help already says it (or there is none worth saying)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" not in text
+            and action.option_strings
+            and action.default is not None
+            and action.default is not False
+            and action.default != argparse.SUPPRESS
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch_single_task.py",
@@ -133,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
             "torch.distributed.run, or run in place under mpirun/torchrun."
         ),
         allow_abbrev=False,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     g = p.add_argument_group("processes (torchrun semantics)")
     g.add_argument(
@@ -198,16 +217,29 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="total optimizer steps (overrides --epochs)",
     )
-    g.add_argument("--epochs", type=_int_at_least(1, "epochs"), default=1)
-    g.add_argument("--lr", type=_positive_float, default=None, help="default: per model")
     g.add_argument(
-        "--weight_decay", type=_nonneg_float, default=None, help="AdamW weight decay (per model)"
+        "--epochs", type=_int_at_least(1, "epochs"), default=1, help="passes over the data"
+    )
+    g.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help="AdamW learning rate (default: 1e-3 for resnet50, 6e-4 for the gpt models)",
+    )
+    g.add_argument(
+        "--weight_decay",
+        type=_nonneg_float,
+        default=None,
+        help="AdamW weight decay (default: 1e-4 for resnet50, 0.1 for the gpt models)",
     )
     g.add_argument(
         "--image_size", type=_int_at_least(16, "image_size"), default=224, help="resnet50 only"
     )
     g.add_argument(
-        "--seq_len", type=_int_at_least(2, "seq_len"), default=None, help="gpt: default 1024"
+        "--seq_len",
+        type=_int_at_least(2, "seq_len"),
+        default=None,
+        help="gpt: tokens per sample (default: the model's block size, 1024 for gpt2)",
     )
     g.add_argument(
         "--data",
@@ -227,7 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="DataLoader workers per process for ImageFolder data (default: min(8, cpus/procs))",
     )
-    g.add_argument("--seed", type=_int_at_least(0, "seed"), default=42)
+    g.add_argument(
+        "--seed", type=_int_at_least(0, "seed"), default=42, help="model init, data order, RNG"
+    )
 
     g = p.add_argument_group("logging and checkpoints")
     g.add_argument(
@@ -274,11 +308,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     else:
         if args.data != "mock":
             parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
+        block = _gpt_block_size(args.model) if args.seq_len is not None else None
+        if block is not None and args.seq_len > block:
+            parser.error(f"--seq_len {args.seq_len} > {args.model}'s block size {block}")
     if args.torch_compile and args.compiler_opt:
         parser.error(
             "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
         )
     return args
+
+
+def _gpt_block_size(model: str) -> int | None:
+    try:
+        from gallery.gpt.model import CONFIGS
+    except ImportError:  # the gallery is not importable from here: the worker checks it
+        return None
+    cfg = CONFIGS.get(model)
+    return None if cfg is None else cfg.block_size
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
@@ -415,22 +461,29 @@ def main(argv: list[str] | None = None) -> int:
     except RuntimeError as e:
         print(f"launch_single_task.py: error: {e}", file=sys.stderr)
         return 2
-    if mpi is not None:
-        os.environ.update(mpi)
-        print(
-            f"[launch] mpirun process: rank {mpi['RANK']}/{mpi['WORLD_SIZE']} "
-            f"(local {mpi['LOCAL_RANK']}), master {mpi['MASTER_ADDR']}:{mpi['MASTER_PORT']}",
-            flush=True,
-        )
-        return _run_in_process(module, wargs)
-    if _already_a_worker(os.environ):
-        return _run_in_process(module, wargs)
-
     nproc = _resolve_nproc(args.nproc_per_node)
+    nnodes, node_rank = args.nnodes, args.node_rank
     master_addr = args.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-    if args.master_port is not None:
+    if mpi is not None and nproc == 1:
+        # mpirun started one process per worker: this process is the worker.
+        os.environ.update(mpi)
+        if mpi["RANK"] == "0":
+            print(
+                f"[launch] {args.model}: mpirun, {mpi['WORLD_SIZE']} process(es), this is rank "
+                f"{mpi['RANK']} (local {mpi['LOCAL_RANK']}), master "
+                f"{mpi['MASTER_ADDR']}:{mpi['MASTER_PORT']}",
+                flush=True,
+            )
+        return _run_in_process(module, wargs)
+    if mpi is not None:
+        # mpirun started one launcher per node (--nproc_per_node > 1): MPI ranks are nodes.
+        nnodes, node_rank = int(mpi["WORLD_SIZE"]), int(mpi["RANK"])
+        master_addr, master_port = mpi["MASTER_ADDR"], int(mpi["MASTER_PORT"])
+    elif _already_a_worker(os.environ):
+        return _run_in_process(module, wargs)
+    elif args.master_port is not None:
         master_port = args.master_port
-    elif args.nnodes == 1:
+    elif nnodes == 1:
         master_port = find_free_port()
     else:
         master_port = int(os.environ.get("MASTER_PORT", 29500))
@@ -446,8 +499,8 @@ def main(argv: list[str] | None = None) -> int:
 
     cmd = [
         f"--nproc_per_node={nproc}",
-        f"--nnodes={args.nnodes}",
-        f"--node_rank={args.node_rank}",
+        f"--nnodes={nnodes}",
+        f"--node_rank={node_rank}",
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
         "--module",
@@ -456,7 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     mode = "torchacc (--compiler-opt)" if args.compiler_opt else "eager (DDP)"
     print(
-        f"[launch] {args.model}: {mode}, {args.nnodes} node(s) x {nproc} process(es), "
+        f"[launch] {args.model}: {mode}, {nnodes} node(s) x {nproc} process(es), "
         f"master {master_addr}:{master_port}",
         flush=True,
     )

@@ -306,7 +306,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         state = {
             "model": to_cpu(_unwrap(model).state_dict()),
             "optimizer": to_cpu(optimizer.state_dict()),
-            "scaler": scaler.state_dict() if scaler is not None else None,
+            "scaler": to_cpu(scaler.state_dict()) if scaler is not None else None,
             "step": step,
             "epoch": step // steps_per_epoch,
             "rng": {"torch": torch.get_rng_state(), "scheme": "per-step reseed (step_seed)"},
