@@ -1,0 +1,529 @@
+"""Collectives on torchacc tensors, recorded in the step and run by XLA at the next sync.
+
+Each collective is a custom op (``torch.ops.torchacc_dist.*``) with a meta kernel and a lowering
+rule marked ``torchacc_collective``: recording it is ordinary op recording (dispatch.py), and a
+graph that holds one compiles as an SPMD program over the process mesh (Note [Multi-process
+programs] in ``torchacc/distributed/__init__.py``). The rules use ``jax.lax`` collectives over the
+mesh axis ``runtime.AXIS``.
+
+The helpers below are what ``xm.*`` and the ``"xla"`` process group call. Their arguments follow
+torch_xla's ``xla_model``: ``reduce_type`` is ``"sum"``, ``"avg"``/``"mean"``, ``"min"``,
+``"max"``, ``"mul"``/``"product"``, ``"and"``/``"or"`` (bool tensors), or a
+``torch.distributed.ReduceOp``. Lists are reduced in place (one coalesced collective) and returned;
+a single tensor gives a new tensor. ``groups`` may be None or the whole world (``[[0, ..., W-1]]``);
+sub-groups raise ``NotImplementedError`` naming the op. In a one-process job nothing is recorded:
+the helpers do the (trivial) math locally.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchacc.distributed import runtime
+from torchacc.distributed.runtime import AXIS, is_initialized, local_rank, rank, world_size
+from torchacc.lowering.registry import register
+from torchacc.tensor import LazyTensor
+
+__all__ = [
+    "all_reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "collective_broadcast",
+    "all_to_all",
+    "barrier",
+    "rendezvous",
+    "broadcast_parameters",
+    "broadcast_master_param",
+    "world_size",
+    "rank",
+    "local_rank",
+    "is_initialized",
+]
+
+# --------------------------------------------------------------------------------------------
+# custom ops: schema + meta kernel
+
+_lib = torch.library.Library("torchacc_dist", "DEF")
+_lib.define("all_reduce(Tensor[] xs, str op, float scale, bool scaled) -> Tensor[]")
+_lib.define("all_gather(Tensor x, int dim, int world) -> Tensor")
+_lib.define(
+    "reduce_scatter(Tensor x, str op, float scale, bool scaled, int dim, int world) -> Tensor"
+)
+_lib.define("broadcast(Tensor[] xs, int src) -> Tensor[]")
+_lib.define("all_to_all(Tensor x, int split_dim, int concat_dim, int world) -> Tensor")
+
+ops = torch.ops.torchacc_dist
+
+
+def _meta_all_reduce(xs, op, scale, scaled):
+    return [x.new_empty(x.shape) for x in xs]
+
+
+def _meta_all_gather(x, dim, world):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _meta_reduce_scatter(x, op, scale, scaled, dim, world):
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _meta_broadcast(xs, src):
+    return [x.new_empty(x.shape) for x in xs]
+
+
+def _meta_all_to_all(x, split_dim, concat_dim, world):
+    shape = list(x.shape)
+    shape[split_dim] //= world
+    shape[concat_dim] *= world
+    return x.new_empty(shape)
+
+
+for _name, _fn in (
+    ("all_reduce", _meta_all_reduce),
+    ("all_gather", _meta_all_gather),
+    ("reduce_scatter", _meta_reduce_scatter),
+    ("broadcast", _meta_broadcast),
+    ("all_to_all", _meta_all_to_all),
+):
+    _lib.impl(_name, _fn, "Meta")
+
+
+# --------------------------------------------------------------------------------------------
+# lowering rules (traced inside shard_map over the process mesh)
+
+
+def _collective(fn):
+    fn.torchacc_collective = True  # runtime.is_spmd_graph looks for this
+    return fn
+
+
+def _as_reducible(x):
+    """bool -> uint8 so the reductions apply; returns (array, undo)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8), lambda r: r.astype(jnp.bool_)
+    return x, lambda r: r
+
+
+def _scaled(r, scale):
+    if not jnp.issubdtype(r.dtype, jnp.floating):
+        return r
+    wide = jnp.float32 if r.dtype in (jnp.float16, jnp.bfloat16) else r.dtype
+    return (r.astype(wide) * scale.astype(wide)).astype(r.dtype)
+
+
+def _reduce_all(xs, op):
+    """Reduce a list of arrays over the mesh with ``op``; one collective per kind of op."""
+    pairs = [_as_reducible(x) for x in xs]
+    arrays = [a for a, _ in pairs]
+    if op == "sum":
+        if any(x.dtype == jnp.bool_ for x in xs):  # a bool sum is an "or"
+            out = [
+                jax.lax.pmax(a, AXIS) if x.dtype == jnp.bool_ else jax.lax.psum(a, AXIS)
+                for a, x in zip(arrays, xs, strict=True)
+            ]
+        else:
+            out = jax.lax.psum(arrays, AXIS)
+    elif op == "avg":
+        n = jax.lax.axis_size(AXIS)
+        out = [r / jnp.asarray(n, r.dtype) for r in jax.lax.psum(arrays, AXIS)]
+    elif op in ("max", "or"):
+        out = jax.lax.pmax(arrays, AXIS)
+    elif op in ("min", "and"):
+        out = jax.lax.pmin(arrays, AXIS)
+    elif op == "product":
+        out = []
+        for a, x in zip(arrays, xs, strict=True):
+            if x.dtype == jnp.bool_:
+                out.append(jax.lax.pmin(a, AXIS))
+            else:
+                out.append(jnp.prod(jax.lax.all_gather(a, AXIS), axis=0, dtype=a.dtype))
+    else:  # the helpers validate op names before recording
+        raise ValueError(f"torchacc.distributed: unknown reduction {op!r}")
+    return [undo(r) for r, (_, undo) in zip(out, pairs, strict=True)]
+
+
+@register(ops.all_reduce.default)
+@_collective
+def _all_reduce_rule(xs, op, scale, scaled):
+    out = _reduce_all(list(xs), op)
+    return [_scaled(r, scale) for r in out] if scaled else out
+
+
+@register(ops.all_gather.default)
+@_collective
+def _all_gather_rule(x, dim, world):
+    return jax.lax.all_gather(x, AXIS, axis=dim, tiled=True)
+
+
+@register(ops.reduce_scatter.default)
+@_collective
+def _reduce_scatter_rule(x, op, scale, scaled, dim, world):
+    if op in ("sum", "avg") and x.dtype != jnp.bool_:
+        r = jax.lax.psum_scatter(x, AXIS, scatter_dimension=dim, tiled=True)
+        if op == "avg":
+            r = r / jnp.asarray(world, r.dtype)
+    else:
+        full = _reduce_all([x], op)[0]
+        chunk = x.shape[dim] // world
+        start = jax.lax.axis_index(AXIS) * chunk
+        r = jax.lax.dynamic_slice_in_dim(full, start, chunk, axis=dim)
+    return _scaled(r, scale) if scaled else r
+
+
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+@register(ops.broadcast.default)
+@_collective
+def _broadcast_rule(xs, src):
+    # sum of (the source's bits, zeros elsewhere) over integer views: exact for every value
+    me = jax.lax.axis_index(AXIS) == src
+    bits, backs = [], []
+    for x in xs:
+        if x.dtype == jnp.bool_:
+            bits.append(x.astype(jnp.int8))
+            backs.append(lambda r: r.astype(jnp.bool_))
+        elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+            bits.append(x)
+            backs.append(lambda r: r)
+        else:
+            itype = _BITS[x.dtype.itemsize]
+            bits.append(x if x.dtype == itype else jax.lax.bitcast_convert_type(x, itype))
+            backs.append(
+                lambda r, d=x.dtype, it=itype: r if d == it else jax.lax.bitcast_convert_type(r, d)
+            )
+    masked = [jnp.where(me, b, jnp.zeros_like(b)) for b in bits]
+    return [back(r) for r, back in zip(jax.lax.psum(masked, AXIS), backs, strict=True)]
+
+
+@register(ops.all_to_all.default)
+@_collective
+def _all_to_all_rule(x, split_dim, concat_dim, world):
+    return jax.lax.all_to_all(x, AXIS, split_dim, concat_dim, tiled=True)
+
+
+# --------------------------------------------------------------------------------------------
+# helpers (xm-style API)
+
+_REDUCE_NAMES = {
+    "sum": "sum",
+    "add": "sum",
+    "avg": "avg",
+    "mean": "avg",
+    "min": "min",
+    "max": "max",
+    "mul": "product",
+    "prod": "product",
+    "product": "product",
+    "and": "and",
+    "band": "and",
+    "or": "or",
+    "bor": "or",
+}
+
+
+def reduce_op_name(reduce_type, name="all_reduce"):
+    """The canonical reduction name for a string or ``torch.distributed.ReduceOp``."""
+    if isinstance(reduce_type, str):
+        op = _REDUCE_NAMES.get(reduce_type.lower())
+        if op is None:
+            raise ValueError(
+                f"torchacc.distributed.{name}: unknown reduce type {reduce_type!r} (expected one "
+                f"of {sorted(_REDUCE_NAMES)})"
+            )
+        return op
+    import torch.distributed as dist
+
+    R = dist.ReduceOp
+    for member, op in (
+        (R.SUM, "sum"),
+        (R.AVG, "avg"),
+        (R.MIN, "min"),
+        (R.MAX, "max"),
+        (R.PRODUCT, "product"),
+        (R.BAND, "and"),
+        (R.BOR, "or"),
+    ):
+        if reduce_type == member:
+            return op
+    raise NotImplementedError(
+        f"torchacc.distributed.{name}: reduce op {reduce_type} is unsupported"
+    )
+
+
+def check_groups(name, groups):
+    """Accept None or the whole world; raise NotImplementedError naming ``name`` otherwise."""
+    if groups is None or len(groups) == 0:
+        return
+    w = world_size()
+    if len(groups) == 1 and sorted(int(r) for r in groups[0]) == list(range(w)):
+        return
+    raise NotImplementedError(
+        f"torchacc.distributed.{name}: groups={groups!r} is not supported; collectives run over "
+        f"all {w} processes of the job (groups=None or [[0, ..., {w - 1}]])"
+    )
+
+
+def _check_tensors(name, tensors):
+    for t in tensors:
+        if not isinstance(t, LazyTensor):
+            where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
+            raise TypeError(
+                f"torchacc.distributed.{name}: expected tensors on the torchacc device, got {where}"
+            )
+
+
+def _check_reduction(name, op, tensors, scale):
+    for t in tensors:
+        if t.dtype.is_complex:
+            raise NotImplementedError(
+                f"torchacc.distributed.{name}: complex tensors are unsupported"
+            )
+        if op == "avg" and not t.dtype.is_floating_point:
+            raise NotImplementedError(
+                f"torchacc.distributed.{name}: reduce type 'avg' needs floating point tensors, "
+                f"got {t.dtype}"
+            )
+        if op in ("and", "or") and t.dtype != torch.bool:
+            raise NotImplementedError(
+                f"torchacc.distributed.{name}: reduce type {op!r} is supported for bool tensors "
+                f"only, got {t.dtype}"
+            )
+        if scale != 1.0 and not t.dtype.is_floating_point:
+            raise NotImplementedError(
+                f"torchacc.distributed.{name}: scale={scale} on a {t.dtype} tensor (scaling "
+                "applies to floating point tensors)"
+            )
+
+
+def _write(targets, results):
+    with torch.no_grad():
+        for t, r in zip(targets, results, strict=True):
+            t.copy_(r)
+            if isinstance(t, LazyTensor) and t._view is not None:
+                # A view (a Parameter is a detach-view of its storage) caches the written Value,
+                # which the sync computes only inside the graph; after the sync that cache would
+                # point at a pending Value whose inputs were donated. Re-read it from the storage.
+                t._vcache = None
+
+
+def _local_scale(t, scale):
+    return t * scale if scale != 1.0 else t.clone()
+
+
+def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
+    """Reduce over all processes, then multiply by ``scale`` (torch_xla's ``xm.all_reduce``).
+
+    A list is reduced in place (one coalesced collective) and returned; a tensor gives a new one.
+    """
+    op = reduce_op_name(reduce_type)
+    check_groups("all_reduce", groups)
+    single = isinstance(inputs, torch.Tensor)
+    tensors = [inputs] if single else list(inputs)
+    if not tensors:
+        return inputs
+    scale = float(scale)
+    _check_tensors("all_reduce", tensors)
+    _check_reduction("all_reduce", op, tensors, scale)
+    if world_size() == 1:
+        results = [_local_scale(t, scale) for t in tensors]
+    else:
+        results = ops.all_reduce.default(tensors, op, scale, scale != 1.0)
+    if single:
+        return results[0]
+    _write(tensors, results)
+    return inputs
+
+
+def all_gather(value, dim=0, groups=None, output=None, pin_layout=True):
+    """Concatenate every process's ``value`` along ``dim`` (rank order)."""
+    check_groups("all_gather", groups)
+    if isinstance(value, (list, tuple)):
+        results = [all_gather(v, dim) for v in value]
+        if output is not None:
+            _write(output, results)
+            return output
+        return results
+    _check_tensors("all_gather", [value])
+    w = world_size()
+    dim = dim % max(value.dim(), 1)
+    result = value.clone() if w == 1 else ops.all_gather.default(value, dim, w)
+    if output is not None:
+        _write([output], [result])
+        return output
+    return result
+
+
+def reduce_scatter(
+    reduce_type,
+    input,
+    scale=1.0,
+    scatter_dim=0,
+    shard_count=None,
+    groups=None,
+    output=None,
+    pin_layout=True,
+):
+    """Reduce over all processes and keep this process's ``1/world`` block of ``scatter_dim``."""
+    op = reduce_op_name(reduce_type, "reduce_scatter")
+    check_groups("reduce_scatter", groups)
+    w = world_size()
+    if shard_count is not None and int(shard_count) != w:
+        raise NotImplementedError(
+            f"torchacc.distributed.reduce_scatter: shard_count={shard_count} must equal the world "
+            f"size {w}"
+        )
+    if isinstance(input, (list, tuple)):
+        results = [reduce_scatter(op, x, scale, scatter_dim, shard_count) for x in input]
+        if output is not None:
+            _write(output, results)
+            return output
+        return results
+    scale = float(scale)
+    _check_tensors("reduce_scatter", [input])
+    _check_reduction("reduce_scatter", op, [input], scale)
+    dim = scatter_dim % max(input.dim(), 1)
+    if input.shape[dim] % w:
+        raise ValueError(
+            f"torchacc.distributed.reduce_scatter: dimension {dim} of size {input.shape[dim]} "
+            f"does not split into {w} equal blocks"
+        )
+    if w == 1:
+        result = _local_scale(input, scale)
+    else:
+        result = ops.reduce_scatter.default(input, op, scale, scale != 1.0, dim, w)
+    if output is not None:
+        _write([output], [result])
+        return output
+    return result
+
+
+def broadcast(tensors, src=0, groups=None):
+    """Every process gets process ``src``'s values (bit-exact).
+
+    A list is overwritten in place and returned; a single tensor gives a new tensor.
+    """
+    check_groups("broadcast", groups)
+    single = isinstance(tensors, torch.Tensor)
+    items = [tensors] if single else list(tensors)
+    if not items:
+        return tensors
+    _check_tensors("broadcast", items)
+    w = world_size()
+    if not 0 <= int(src) < w:
+        raise ValueError(f"torchacc.distributed.broadcast: src={src} is not a rank in [0, {w})")
+    if w == 1:
+        results = [t.clone() for t in items]
+    else:
+        results = ops.broadcast.default(items, int(src))
+    if single:
+        return results[0]
+    _write(items, results)
+    return tensors
+
+
+def collective_broadcast(tensors, root_ordinal=0, groups=None, pin_layout=True):
+    """torch_xla's ``xm.collective_broadcast``: in place on a list of tensors."""
+    broadcast(list(tensors), root_ordinal, groups)
+
+
+def all_to_all(
+    value, split_dimension=0, concat_dimension=0, split_count=None, groups=None, pin_layout=True
+):
+    """Split ``value`` into ``world`` blocks along ``split_dimension``, send block ``i`` to rank
+    ``i``, and concatenate the received blocks (rank order) along ``concat_dimension``."""
+    check_groups("all_to_all", groups)
+    _check_tensors("all_to_all", [value])
+    w = world_size()
+    if split_count is not None and int(split_count) != w:
+        raise NotImplementedError(
+            f"torchacc.distributed.all_to_all: split_count={split_count} must equal the world "
+            f"size {w}"
+        )
+    nd = max(value.dim(), 1)
+    split, concat = split_dimension % nd, concat_dimension % nd
+    if value.shape[split] % w:
+        raise ValueError(
+            f"torchacc.distributed.all_to_all: dimension {split} of size {value.shape[split]} does "
+            f"not split into {w} equal blocks"
+        )
+    if w == 1:
+        return value.clone()
+    return ops.all_to_all.default(value, split, concat, w)
+
+
+# --------------------------------------------------------------------------------------------
+# host-side synchronisation (the JAX coordination service; nothing is recorded)
+
+_barrier_count = itertools.count()
+_rendezvous_count = itertools.count()
+
+
+def _client(name):
+    client = runtime._jax_distributed_client()
+    if client is None:
+        raise RuntimeError(f"torchacc.distributed.{name}: the multi-process runtime is not running")
+    return client
+
+
+def barrier(tag="", timeout_s=1800.0):
+    """Block until every process reaches a barrier (a host-side wait; pending work is not run)."""
+    if world_size() == 1:
+        return
+    n = next(_barrier_count)
+    _client("barrier").wait_at_barrier(f"torchacc/barrier/{n}/{tag}", int(timeout_s * 1000))
+
+
+def rendezvous(tag, payload=b"", replicas=(), timeout_s=1800.0):
+    """torch_xla's ``xm.rendezvous``: wait for every process and return all their payloads."""
+    if replicas and sorted(replicas) != list(range(world_size())):
+        raise NotImplementedError(
+            f"torchacc.distributed.rendezvous: replicas={list(replicas)} is not supported (only "
+            "all processes)"
+        )
+    payload = bytes(payload)
+    w = world_size()
+    if w == 1:
+        return [payload]
+    client = _client("rendezvous")
+    n = next(_rendezvous_count)
+    prefix = f"torchacc/rendezvous/{n}/{tag}"
+    client.key_value_set_bytes(f"{prefix}/{rank()}", payload)
+    ms = int(timeout_s * 1000)
+    out = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", ms) for r in range(w)]
+    client.wait_at_barrier(f"{prefix}/done", ms)
+    client.key_value_delete(f"{prefix}/{rank()}")
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# recipes
+
+
+def broadcast_parameters(module, src=0):
+    """Overwrite ``module``'s parameters and buffers with process ``src``'s (replicas start equal).
+
+    Recorded like any collective: it runs with the next sync. Returns ``module``.
+    """
+    tensors = [
+        t
+        for t in itertools.chain(module.parameters(), module.buffers())
+        if isinstance(t, LazyTensor)
+    ]
+    if tensors and world_size() > 1:
+        broadcast(tensors, src)
+    return module
+
+
+def broadcast_master_param(model):
+    """torch_xla's ``xm.broadcast_master_param``: rank 0's parameters and buffers everywhere."""
+    broadcast_parameters(model, 0)

@@ -1,0 +1,363 @@
+"""The multi-process runtime: joining the job, ranks, the process mesh, SPMD programs.
+
+See Note [Multi-process programs] in ``torchacc/distributed/__init__.py``.
+
+Environment (torchrun sets the first five):
+
+- ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``: this process in the job; JAX ``process_id`` = RANK and
+  its device is local device ``LOCAL_RANK`` (``local_device_ids``).
+- ``MASTER_ADDR``, ``MASTER_PORT``: the JAX coordinator (hosted by rank 0) listens on
+  ``MASTER_ADDR:MASTER_PORT+1`` (torchrun's store has MASTER_PORT itself).
+- ``TORCHACC_COORDINATOR_ADDRESS`` (``host:port``) or ``TORCHACC_COORDINATOR_PORT``: override that.
+- ``TORCHACC_DISTRIBUTED=0``: never join a job automatically (each process stands alone).
+- ``TORCHACC_HEARTBEAT_TIMEOUT`` (s, default 20): a rank that stops sending heartbeats (killed,
+  machine gone) is declared dead after this long and every other rank is terminated.
+- ``TORCHACC_INIT_TIMEOUT`` (s, default 300): how long to wait for all ranks to join.
+- ``TORCHACC_SHUTDOWN_TIMEOUT`` (s, default 300): how long a rank that finished waits at exit for
+  the others to finish too (JAX's shutdown barrier).
+- ``TORCHACC_FAST_EXIT=0``: keep Python's normal exit on an uncaught exception. By default a rank
+  that dies of an uncaught exception leaves at once (``os._exit(1)``) instead of waiting in the
+  shutdown barrier, so ranks blocked in a collective with it fail within seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+
+import jax
+import numpy as np
+
+AXIS = "p"  # the mesh axis of processes, one device each
+
+
+class _State:
+    __slots__ = ("initialized", "rank", "world", "local_rank", "mesh", "replicated")
+
+    def __init__(self):
+        self.initialized = False
+        self.rank = 0
+        self.world = 1
+        self.local_rank = 0
+        self.mesh = None
+        self.replicated = None
+
+
+_state = _State()
+_lock = threading.RLock()
+
+
+def _env_int(name, default):
+    text = os.environ.get(name, "")
+    if text == "":
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"torchacc.distributed: {name}={text!r} is not an integer") from None
+
+
+def _auto_enabled():
+    return os.environ.get("TORCHACC_DISTRIBUTED", "1").lower() not in ("0", "off", "false", "no")
+
+
+def env_world_size():
+    """WORLD_SIZE from the environment (1 when unset)."""
+    return _env_int("WORLD_SIZE", 1)
+
+
+def maybe_initialize():
+    """Join the job the environment describes (WORLD_SIZE > 1), once; else do nothing.
+
+    Called by ``torchacc.device.platform()`` before JAX starts its backends.
+    """
+    if _state.initialized or not _auto_enabled() or env_world_size() <= 1:
+        return False
+    initialize()
+    return True
+
+
+def _jax_distributed_client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def _backends_started():
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge._backends)
+    except Exception:  # private API moved: let jax.distributed.initialize complain itself
+        return False
+
+
+def coordinator_address():
+    """``host:port`` of the JAX coordinator service for this job (rank 0 hosts it)."""
+    explicit = os.environ.get("TORCHACC_COORDINATOR_ADDRESS")
+    if explicit:
+        return explicit
+    addr = os.environ.get("MASTER_ADDR")
+    port = _env_int("MASTER_PORT", None)
+    if not addr or port is None:
+        raise RuntimeError(
+            f"torchacc.distributed: WORLD_SIZE={env_world_size()} but MASTER_ADDR/MASTER_PORT are "
+            "not set; start the job with torchrun (or set TORCHACC_COORDINATOR_ADDRESS=host:port)"
+        )
+    port = _env_int("TORCHACC_COORDINATOR_PORT", port + 1)
+    return f"{addr}:{port}"
+
+
+def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
+    """Join the multi-process JAX runtime (idempotent). Arguments default to the environment.
+
+    With a world size of 1 this only records that the process stands alone.
+    """
+    with _lock:
+        if _state.initialized:
+            _check_agrees(world_size, rank)
+            return
+        if _jax_distributed_client() is not None:  # the user called jax.distributed.initialize
+            _set_state(jax.process_index(), jax.process_count(), local_rank)
+            _check_agrees(world_size, rank)
+            return
+        world = env_world_size() if world_size is None else int(world_size)
+        if world <= 1:
+            _set_state(0, 1, 0)
+            return
+        if rank is None:
+            if "RANK" not in os.environ:
+                raise RuntimeError(
+                    f"torchacc.distributed: WORLD_SIZE={world} but RANK is not set; start the job "
+                    "with torchrun"
+                )
+            rank = _env_int("RANK", 0)
+        if local_rank is None:
+            local_rank = _env_int("LOCAL_RANK", 0)
+        if not 0 <= rank < world:
+            raise RuntimeError(f"torchacc.distributed: RANK={rank} is not in [0, {world})")
+        address = coordinator or coordinator_address()
+        if _backends_started():
+            raise RuntimeError(
+                "torchacc.distributed: JAX was already started in single-process mode before this "
+                f"process (rank {rank} of {world}) could join the job; make sure nothing uses JAX "
+                "before torchacc (or call torchacc.distributed.initialize() first)"
+            )
+        if "JAX_CPU_COLLECTIVES_IMPLEMENTATION" not in os.environ:
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        try:
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=world,
+                process_id=rank,
+                local_device_ids=[local_rank],
+                initialization_timeout=_env_int("TORCHACC_INIT_TIMEOUT", 300),
+                heartbeat_timeout_seconds=_env_int("TORCHACC_HEARTBEAT_TIMEOUT", 20),
+                shutdown_timeout_seconds=_env_int("TORCHACC_SHUTDOWN_TIMEOUT", 300),
+            )
+        except Exception as e:
+            raise RuntimeError(
+                f"torchacc.distributed: rank {rank} of {world} could not join the job through the "
+                f"JAX coordinator at {address}: {e}"
+            ) from e
+        _set_state(rank, world, local_rank)
+        _install_fast_exit()
+
+
+def _set_state(rank, world, local_rank):
+    _state.rank = int(rank)
+    _state.world = int(world)
+    _state.local_rank = int(local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0))
+    _state.initialized = True
+
+
+def _check_agrees(world_size, rank):
+    if world_size is not None and int(world_size) != _state.world:
+        raise RuntimeError(
+            f"torchacc.distributed: asked for world size {world_size}, but this process already "
+            f"joined a job of {_state.world}"
+        )
+    if rank is not None and int(rank) != _state.rank:
+        raise RuntimeError(
+            f"torchacc.distributed: asked for rank {rank}, but this process already joined the "
+            f"job as rank {_state.rank}"
+        )
+
+
+def _ensure():
+    if not _state.initialized:
+        if not maybe_initialize():
+            with _lock:
+                if not _state.initialized:
+                    _set_state(0, 1, 0)
+
+
+def is_initialized():
+    """True once this process joined a job (or settled on running alone)."""
+    return _state.initialized
+
+
+def world_size():
+    """Number of processes in the job (joins it first if the environment describes one)."""
+    _ensure()
+    return _state.world
+
+
+def rank():
+    """This process's rank in the job."""
+    _ensure()
+    return _state.rank
+
+
+def local_rank():
+    """This process's rank on its machine (= its device index there)."""
+    _ensure()
+    return _state.local_rank
+
+
+def local_world_size():
+    """Processes on this machine: LOCAL_WORLD_SIZE as torchrun sets it (None if unknown)."""
+    _ensure()
+    n = _env_int("LOCAL_WORLD_SIZE", None)
+    if n is None and _state.world == 1:
+        return 1
+    return n
+
+
+def set_replication(device, devices):
+    """``xm.set_replication`` hook: make sure this process has joined the job."""
+    _ensure()
+
+
+# --------------------------------------------------------------------------------------------
+# failure handling
+
+
+def _install_fast_exit():
+    if os.environ.get("TORCHACC_FAST_EXIT", "1").lower() in ("0", "off", "false", "no"):
+        return
+    previous = sys.excepthook
+
+    def excepthook(tp, value, tb):
+        # print to the real stderr: an outer hook (torch.distributed's rank prefixer) may have
+        # redirected sys.stderr into a buffer that it would only write out after we returned
+        saved = sys.stderr
+        sys.stderr = sys.__stderr__ or saved
+        try:
+            previous(tp, value, tb)
+        finally:
+            sys.stderr = sys.__stderr__ or saved
+            text = str(value)
+            hint = ""
+            if "Gloo" in text or "NCCL" in text or "ollective" in text:
+                hint = " A collective failed: another rank has probably died (see its log)."
+            print(
+                f"torchacc.distributed: rank {_state.rank} of {_state.world} stopped on an "
+                f"uncaught {tp.__name__}; exiting now so that the other ranks fail fast instead "
+                f"of waiting for this one.{hint}",
+                file=sys.stderr,
+                flush=True,
+            )
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(1)
+
+    sys.excepthook = excepthook
+
+
+# --------------------------------------------------------------------------------------------
+# the process mesh and SPMD programs
+
+
+def mesh():
+    """``jax.sharding.Mesh`` with one device per process (this process's = its torchacc device)."""
+    if _state.mesh is None:
+        with _lock:
+            if _state.mesh is None:
+                _build_mesh()
+    return _state.mesh
+
+
+def _build_mesh():
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from torchacc.device import jax_device, platform
+
+    mine = jax_device()
+    world = world_size()
+    per_process = {}
+    for d in jax.devices(platform()):
+        p = d.process_index
+        if p == jax.process_index():
+            per_process[p] = mine
+        elif p not in per_process or d.id < per_process[p].id:
+            per_process[p] = d
+    if sorted(per_process) != list(range(world)):
+        raise RuntimeError(
+            f"torchacc.distributed: expected devices of {world} processes, JAX sees processes "
+            f"{sorted(per_process)}"
+        )
+    _state.mesh = Mesh(np.array([per_process[p] for p in range(world)]), (AXIS,))
+    _state.replicated = NamedSharding(_state.mesh, PartitionSpec())
+
+
+def is_spmd_graph(graph):
+    """True when ``graph`` (a compile.Graph) holds a collective and must run as one SPMD program."""
+    for node in graph.order:
+        if getattr(node.rule.fn, "torchacc_collective", False):
+            return True
+    return False
+
+
+def compile_spmd(program, args, donate):
+    """Compile ``program`` (local arrays -> list of local arrays) as one SPMD program over the mesh.
+
+    ``args`` are example arguments (local arrays / numpy) and ``donate`` the donated positions, as
+    for ``jax.jit``. Returns an ``SpmdExecutable``.
+    """
+    from jax.sharding import PartitionSpec
+
+    m = mesh()
+    rep = _state.replicated
+    spmd = jax.shard_map(
+        program, mesh=m, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
+    )
+    avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=rep) for a in args]
+    exe = jax.jit(spmd, donate_argnums=donate).lower(*avals).compile()
+    return SpmdExecutable(exe, rep)
+
+
+try:  # the direct constructor is ~5x cheaper than make_array_from_single_device_arrays
+    from jax._src.array import ArrayImpl as _ArrayImpl
+except Exception:  # pragma: no cover - private API moved
+    _ArrayImpl = None
+
+
+class SpmdExecutable:
+    """A compiled SPMD step called like a single-device one: local arrays in, local arrays out."""
+
+    __slots__ = ("compiled", "sharding", "device")
+
+    def __init__(self, compiled, sharding):
+        from torchacc.device import jax_device
+
+        self.compiled = compiled
+        self.sharding = sharding
+        self.device = jax_device()
+
+    def to_global(self, a):
+        """The global (replicated-by-declaration) array whose local shard is ``a``."""
+        if not isinstance(a, jax.Array):
+            a = jax.device_put(a, self.device)
+        if _ArrayImpl is not None:
+            try:
+                return _ArrayImpl(a.aval, self.sharding, [a], committed=True, _skip_checks=True)
+            except Exception:
+                pass
+        return jax.make_array_from_single_device_arrays(a.shape, self.sharding, [a])
+
+    def __call__(self, *args):
+        outs = self.compiled(*[self.to_global(a) for a in args])
+        return [o.addressable_data(0) for o in outs]

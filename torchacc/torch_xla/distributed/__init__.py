@@ -1,0 +1,2 @@
+"""``torch_xla.distributed`` on torchacc: ``xla_backend`` (the ``"xla"`` process group),
+``parallel_loader`` (``MpDeviceLoader``), ``xla_multiprocessing``."""

@@ -1,0 +1,232 @@
+"""``torch_xla.distributed.parallel_loader`` on torchacc: ``MpDeviceLoader`` / ``ParallelLoader``.
+
+::
+
+    train_loader = pl.MpDeviceLoader(train_loader, device)
+    for x, y in train_loader:          # batches are already on the device
+        loss = loss_fn(model(x), y)
+        ...                            # no mark_step needed: the loader syncs once per batch
+
+A background thread iterates the wrapped loader and copies each batch's tensors to the device
+(``jax.device_put``, which does not wait for the device), keeping up to ``device_prefetch_size``
+batches ready; so host-side loading and the upload of batch ``n+1`` overlap with step ``n``. As in
+torch_xla, taking the next batch first runs ``mark_step()`` (every ``batches_per_execution``
+batches), so a training loop over the loader needs no explicit sync; the loader also syncs when it
+is exhausted. Batches may be tensors or (nested) lists / tuples / dicts of them; other values pass
+through unchanged.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+import torch
+
+_END = object()
+
+
+class _Uploaded:
+    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
+
+    __slots__ = ("array", "shape", "dtype", "seconds")
+
+    def __init__(self, array, shape, dtype, seconds):
+        self.array = array
+        self.shape = shape
+        self.dtype = dtype
+        self.seconds = seconds
+
+
+def _upload_tree(x):
+    from torchacc import execute
+
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x  # already elsewhere (e.g. on the device): left as is
+        host = x.detach().contiguous()
+        start = time.perf_counter()
+        array = execute.put(execute._numpy_of(host))
+        return _Uploaded(array, tuple(host.shape), host.dtype, time.perf_counter() - start)
+    if isinstance(x, dict):
+        return type(x)((k, _upload_tree(v)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(_upload_tree(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_upload_tree(v) for v in x)
+    return x
+
+
+def _wrap_tree(x):
+    from torchacc import metrics
+    from torchacc.dispatch import contiguous_desc, new_storage
+    from torchacc.graph import Value
+    from torchacc.tensor import make
+
+    if isinstance(x, _Uploaded):
+        desc = contiguous_desc(x.shape, x.dtype)
+        value = Value(desc, array=x.array)
+        metrics.record_time("TransferToDeviceTime", x.seconds)
+        metrics.counter_inc("TransferToDevice")
+        return make(new_storage(value, desc), desc)
+    if isinstance(x, dict):
+        return type(x)((k, _wrap_tree(v)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_wrap_tree(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(_wrap_tree(v) for v in x)
+    return x
+
+
+class PerDeviceLoader:
+    """The iterator over one device's batches (``ParallelLoader.per_device_loader``)."""
+
+    def __init__(self, loader, device):
+        self._loader = loader
+        self._device = device
+        self._mark_step_batch_count = loader.batches_per_execution - 1
+        self._batches_yielded = 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        return self.next()
+
+    def __len__(self):
+        return self._loader.per_device_samples()
+
+    def next(self):
+        from torchacc.torch_xla.core import xla_model as xm
+
+        if self._mark_step_batch_count <= self._batches_yielded:
+            self._batches_yielded = 0
+            xm.mark_step()
+        else:
+            self._batches_yielded += 1
+        item = self._loader._next_item()
+        if item is _END:
+            xm.mark_step()
+            raise StopIteration
+        return item
+
+
+class ParallelLoader:
+    """Wraps a host loader; ``per_device_loader(device)`` yields its batches on the device.
+
+    ``loader_prefetch_size``, ``host_to_device_transfer_threads`` are accepted for torch_xla
+    compatibility; one background thread both iterates the loader and uploads, holding at most
+    ``device_prefetch_size`` uploaded batches.
+    """
+
+    def __init__(
+        self,
+        loader,
+        devices,
+        batchdim=0,
+        batches_per_execution=1,
+        loader_prefetch_size=16,
+        device_prefetch_size=8,
+        host_to_device_transfer_threads=1,
+        input_sharding=None,
+    ):
+        import torchacc
+
+        if input_sharding is not None:
+            raise NotImplementedError("ParallelLoader: input_sharding (SPMD) is not supported")
+        devices = [torch.device(d) for d in devices]
+        if len(devices) != 1 or devices[0].type not in ("torchacc", "xla"):
+            raise ValueError(
+                f"ParallelLoader: expected this process's one torchacc device, got {devices}"
+            )
+        if batches_per_execution < 1:
+            raise ValueError("ParallelLoader: batches_per_execution must be >= 1")
+        self._loader = loader
+        self._devices = devices
+        self._batchdim = batchdim
+        self._batches_per_execution = batches_per_execution
+        self._queue = queue.Queue(maxsize=max(1, int(device_prefetch_size)))
+        self._done = threading.Event()
+        torchacc.jax_device()  # pick (and join a multi-process job for) the device on this thread
+        self._thread = threading.Thread(target=self._worker, name="torchacc-loader", daemon=True)
+        self._thread.start()
+
+    @property
+    def batches_per_execution(self):
+        return self._batches_per_execution
+
+    def per_device_loader(self, device):
+        if torch.device(device) != self._devices[0]:
+            raise ValueError(f"ParallelLoader: {device} is not this loader's device")
+        return PerDeviceLoader(self, device)
+
+    def per_device_samples(self):
+        return len(self._loader)
+
+    def close(self):
+        """Stop the background thread (batches not yet taken are dropped)."""
+        self._done.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+
+    def __del__(self):
+        self._done.set()
+
+    def _put(self, item):
+        while not self._done.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _worker(self):
+        try:
+            for batch in self._loader:
+                if self._done.is_set() or not self._put(("batch", _upload_tree(batch))):
+                    return
+        except BaseException as e:  # re-raised in the consuming thread
+            self._put(("error", e))
+            return
+        self._put(("end", None))
+
+    def _next_item(self):
+        if self._done.is_set() and self._queue.empty():
+            return _END
+        while True:
+            try:
+                kind, payload = self._queue.get(timeout=1.0)
+                break
+            except queue.Empty:
+                if not self._thread.is_alive() and self._queue.empty():
+                    return _END
+        if kind == "end":
+            self._done.set()
+            return _END
+        if kind == "error":
+            self._done.set()
+            raise payload
+        return _wrap_tree(payload)
+
+
+class MpDeviceLoader:
+    """``for batch in MpDeviceLoader(loader, device)``: a fresh ``ParallelLoader`` per epoch."""
+
+    def __init__(self, loader, device, **kwargs):
+        self._loader = loader
+        self._device = device
+        self._parallel_loader_kwargs = kwargs
+
+    def __iter__(self):
+        parallel_loader = ParallelLoader(
+            self._loader, [self._device], **self._parallel_loader_kwargs
+        )
+        return parallel_loader.per_device_loader(self._device)
+
+    def __len__(self):
+        return len(self._loader)
