@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from torchacc import metrics
+from torchacc.distributed import runtime as _spmd  # Note [Multi-process programs]
 from torchacc.graph import ScalarSlot, TensorSlot
 from torchacc.lowering.dtypes import jdtype
 
@@ -206,8 +207,11 @@ def compiled_for(graph, args):
     start = time.perf_counter()
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
-    fn = jax.jit(_program(graph), donate_argnums=donate)
-    exe = fn.lower(*args).compile()
+    if _spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process programs]
+        exe = _spmd.compile_spmd(_program(graph), args, donate)
+    else:
+        fn = jax.jit(_program(graph), donate_argnums=donate)
+        exe = fn.lower(*args).compile()
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
     _cache[graph.key] = exe

@@ -76,6 +76,9 @@ def register_backend():
 @functools.lru_cache(maxsize=None)
 def platform():
     """The JAX platform torchacc runs on: 'gpu' or 'cpu'."""
+    from torchacc.distributed import runtime  # join a torchrun job before JAX starts its backends
+
+    runtime.maybe_initialize()  # (Note [Multi-process programs] in torchacc/distributed)
     forced = os.environ.get("TORCHACC_DEVICE", "").lower()
     if forced in ("gpu", "cuda"):
         return "gpu"

@@ -15,6 +15,8 @@ as soon as no pending Value needs them.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 
 
@@ -75,12 +77,13 @@ class ScalarSlot(int):
 class Storage:
     """The memory of a base tensor: its current Value, the base's desc and a write counter."""
 
-    __slots__ = ("value", "desc", "version", "__weakref__")
+    __slots__ = ("value", "desc", "version", "seq", "__weakref__")
 
     def __init__(self, value, desc):
         self.value = value
         self.desc = desc
         self.version = 0
+        self.seq = _next_seq()
         _live.add(self)
 
     def write(self, value):
@@ -89,8 +92,15 @@ class Storage:
 
 
 _live = weakref.WeakSet()
+_next_seq = itertools.count().__next__
+_by_seq = operator.attrgetter("seq")
 
 
 def live_storages():
-    """Every Storage some tensor (or the RNG) still refers to."""
-    return list(_live)
+    """Every Storage some tensor (or the RNG) still refers to, oldest first.
+
+    Creation order (not the set's, which follows memory addresses) makes a sync build the same
+    graph -- node order, cache key -- in every run and on every rank of a multi-process job
+    (Note [Multi-process programs] in torchacc/distributed).
+    """
+    return sorted(_live, key=_by_seq)

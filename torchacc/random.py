@@ -19,6 +19,9 @@ _storage = None
 
 
 def _key_data(seed):
+    from torchacc.device import platform
+
+    platform()  # first JAX use may be here (torch.manual_seed): join a torchrun job before it
     return np.asarray(jax.random.key_data(jax.random.key(seed & 0xFFFFFFFFFFFFFFFF)))
 
 
