@@ -192,7 +192,11 @@ def _conv_args(name, dtype):
 
 @pytest.mark.parametrize("name", list(CONV))
 def test_convolution(name):
-    check_rule(aten.convolution.default, *_conv_args(name, torch.float32), rtol=1e-5, atol=1e-5)
+    args = _conv_args(name, torch.float32)
+    check_rule(aten.convolution.default, *args, rtol=1e-5, atol=1e-5)
+    if name == "t2d":
+        flags = (False, True, True, True)  # benchmark, deterministic, cudnn_enabled, allow_tf32
+        check_rule(aten._convolution.default, *args, *flags, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["2d_nobias", "t2d"])

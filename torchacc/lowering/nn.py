@@ -265,13 +265,13 @@ def pool_out_size(size, k, s, p, d, ceil_mode):
     return out
 
 
-def _pool_args(kernel_size, stride, padding, dilation=1):
+def pool_args(kernel_size, stride, padding, dilation=1):
     k = _tuple(kernel_size, 2)
     s = _tuple(stride, 2) if stride else k
     return k, s, _tuple(padding, 2), _tuple(dilation, 2)
 
 
-def _windows(x, k, s, p, d, out, fill):
+def pool_windows(x, k, s, p, d, out, fill):
     """Stack every kernel offset's strided slice: (KH*KW, ..., OH, OW), plus static validity."""
     lead = x.ndim - 2
     cfg = [(0, 0, 0)] * lead
@@ -306,17 +306,21 @@ def _masked_argmax(vals, valid, axis=0):
 
 @register(aten.max_pool2d_with_indices.default)
 def max_pool2d_with_indices(self, kernel_size, stride=(), padding=0, dilation=1, ceil_mode=False):
-    k, s, p, d = _pool_args(kernel_size, stride, padding, dilation)
+    k, s, p, d = pool_args(kernel_size, stride, padding, dilation)
     H, W = self.shape[-2:]
     out = tuple(pool_out_size(n, k[i], s[i], p[i], d[i], ceil_mode) for i, n in enumerate((H, W)))
-    vals, valid = _windows(self, k, s, p, d, out, -jnp.inf)
+    vals, valid = pool_windows(self, k, s, p, d, out, -jnp.inf)
     valid = valid.reshape(valid.shape[:1] + (1,) * (self.ndim - 2) + valid.shape[1:])
     m, arg = _masked_argmax(vals, valid)
-    # flat index h * W + w of the chosen element
+    base, offs = pool_flat_offsets(k, s, p, d, out, W)
+    return m, jnp.asarray(base) + jnp.asarray(offs)[arg]
+
+
+def pool_flat_offsets(k, s, p, d, out, W):
+    """Flat index (h * W + w) of each window's origin (OH, OW) and of each kernel offset (K,)."""
     base = (np.arange(out[0]) * s[0] - p[0])[:, None] * W + (np.arange(out[1]) * s[1] - p[1])
     offs = np.array([kh * d[0] * W + kw * d[1] for kh in range(k[0]) for kw in range(k[1])])
-    idx = jnp.asarray(base, jnp.int64) + jnp.asarray(offs, jnp.int64)[arg]
-    return m, idx
+    return base.astype(np.int64), offs.astype(np.int64)
 
 
 @register(aten.avg_pool2d.default)
@@ -329,7 +333,7 @@ def avg_pool2d(
     count_include_pad=True,
     divisor_override=None,
 ):
-    k, s, p, _ = _pool_args(kernel_size, stride, padding)
+    k, s, p, _ = pool_args(kernel_size, stride, padding)
     H, W = self.shape[-2:]
     out = tuple(pool_out_size(n, k[i], s[i], p[i], 1, ceil_mode) for i, n in enumerate((H, W)))
     x = opmath(self)
@@ -857,7 +861,12 @@ def _spatial(x, output_size, scales):
 
 def upsample_nearest(x, output_size, scales):
     for axis, n_out, sc in _spatial(x, output_size, scales):
-        x = jnp.take(x, jnp.asarray(nearest_index(x.shape[axis], n_out, sc)), axis=axis)
+        n_in = x.shape[axis]
+        idx = nearest_index(n_in, n_out, sc)
+        if n_out % n_in == 0 and (idx == np.arange(n_out) // (n_out // n_in)).all():
+            x = jnp.repeat(x, n_out // n_in, axis=axis)  # its transpose is a reshape-sum
+        else:
+            x = jnp.take(x, jnp.asarray(idx), axis=axis)
     return x
 
 

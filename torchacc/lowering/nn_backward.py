@@ -77,7 +77,18 @@ def _scatter_planes(grad, indices, shape):
 def max_pool2d_with_indices_backward(
     grad_output, self, kernel_size, stride, padding, dilation, ceil_mode, indices
 ):
-    return _scatter_planes(grad_output, indices, self.shape)
+    # Dense instead of a scatter: for each kernel offset, keep the gradient of the windows whose
+    # index points at that offset and route it back through the transpose of the forward's
+    # strided window slice (a pad). Fusable and deterministic; sums overlapping windows.
+    k, s, p, d = nn.pool_args(kernel_size, stride, padding, dilation)
+    out = grad_output.shape[-2:]
+    base, offs = nn.pool_flat_offsets(k, s, p, d, out, self.shape[-1])
+    g = opmath(grad_output)
+    zero = jnp.zeros((), g.dtype)
+    ct = jnp.stack([jnp.where(indices == jnp.asarray(base + o), g, zero) for o in offs])
+    x0 = jnp.zeros(self.shape, g.dtype)
+    _, vjp = jax.vjp(lambda x: nn.pool_windows(x, k, s, p, d, out, 0)[0], x0)
+    return vjp(ct)[0].astype(grad_output.dtype)
 
 
 @register(aten.adaptive_max_pool2d_backward.default)
