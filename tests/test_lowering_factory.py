@@ -116,6 +116,13 @@ def test_randint_randperm():
     assert set(np.unique(r)) == {2, 3}
     p = sample(aten.randperm.default, 50)
     assert p.dtype == np.int64 and sorted(p) == list(range(50))
+    # the ``generator`` overloads (twins of the out= variants torch's factories call) share rules
+    p = sample(aten.randperm.generator, 50, generator=None, dtype=torch.int32)
+    assert p.dtype == np.int32 and sorted(p) == list(range(50))
+    r = sample(aten.randint.low_generator, 1, 4, [N], generator=None)
+    assert set(np.unique(r)) == {1, 2, 3}
+    u = sample(aten.rand.generator, [N], generator=None)
+    assert 0 <= u.min() and u.max() < 1 and abs(u.mean() - 0.5) < 0.02
 
 
 def test_bernoulli():

@@ -150,13 +150,27 @@ def _uniform(rng, shape, dt):
     return jax.random.uniform(rng, shape, dt)
 
 
-@register(aten.rand.default, aten.rand_like.default, rng=True, out_meta=True)
+@register(
+    aten.rand.default,
+    aten.rand.generator,
+    aten.rand_like.default,
+    aten.rand_like.generator,
+    rng=True,
+    out_meta=True,
+)
 def rand(*_args, out, rng, **_kwargs):
     shape, dt = _meta(out)
     return _uniform(rng, shape, dt).astype(dt)
 
 
-@register(aten.randn.default, aten.randn_like.default, rng=True, out_meta=True)
+@register(
+    aten.randn.default,
+    aten.randn.generator,
+    aten.randn_like.default,
+    aten.randn_like.generator,
+    rng=True,
+    out_meta=True,
+)
 def randn(*_args, out, rng, **_kwargs):
     shape, dt = _meta(out)
     return jax.random.normal(rng, shape, dt if is_floating(dt) else jnp.float32).astype(dt)
@@ -169,27 +183,36 @@ def _randint(rng, low, high, out):
     return jax.random.randint(rng, shape, low, high, dtype=jnp.int64).astype(dt)
 
 
-@register(aten.randint.default, rng=True, out_meta=True)
+@register(aten.randint.default, aten.randint.generator, rng=True, out_meta=True)
 def randint(high, size, *, out, rng, **_kwargs):
     return _randint(rng, 0, high, out)
 
 
-@register(aten.randint.low, rng=True, out_meta=True)
+@register(aten.randint.low, aten.randint.low_generator, rng=True, out_meta=True)
 def randint_low(low, high, size, *, out, rng, **_kwargs):
     return _randint(rng, low, high, out)
 
 
-@register(aten.randint_like.default, aten.randint_like.Tensor, rng=True, out_meta=True)
+@register(
+    aten.randint_like.default,
+    aten.randint_like.Tensor,
+    aten.randint_like.generator,
+    aten.randint_like.Tensor_generator,
+    rng=True,
+    out_meta=True,
+)
 def randint_like(self, high, *, out, rng, **_kwargs):
     return _randint(rng, 0, high, out)
 
 
-@register(aten.randint_like.low_dtype, rng=True, out_meta=True)
+@register(
+    aten.randint_like.low_dtype, aten.randint_like.low_generator_dtype, rng=True, out_meta=True
+)
 def randint_like_low(self, low, high, *, out, rng, **_kwargs):
     return _randint(rng, low, high, out)
 
 
-@register(aten.randperm.default, rng=True, out_meta=True)
+@register(aten.randperm.default, aten.randperm.generator, rng=True, out_meta=True)
 def randperm(n, *, out, rng, **_kwargs):
     shape, dt = _meta(out)
     return jax.random.permutation(rng, shape[0]).astype(dt)
