@@ -18,3 +18,11 @@ for _op in (aten.empty.memory_format, aten.empty_strided.default):
         return dispatch.dispatch(_op, args, kwargs)
 
     _lib.impl(_op, _kernel, "PrivateUse1")
+
+
+def _copy_from(src, dst, non_blocking=False):
+    """Host -> device copies made by torch itself (``torch.tensor(data, device=dev)``)."""
+    return dispatch.dispatch(aten.copy_.default, (dst, src), {})
+
+
+_lib.impl(aten._copy_from.default, _copy_from, "PrivateUse1")

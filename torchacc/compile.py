@@ -172,6 +172,9 @@ def _program(graph):
                 raise RuntimeError(f"torchacc: lowering of {rule.name} returned {len(results)} "
                                    f"outputs, PyTorch's op has {n}")
             for slot, r, d in zip(outs, results, descs):
+                if r is None:
+                    raise RuntimeError(f"torchacc: lowering of {rule.name} returned None for an "
+                                       "output PyTorch's meta kernel produces")
                 r = jnp.asarray(r)
                 if r.shape != d[0]:
                     raise RuntimeError(f"torchacc: lowering of {rule.name} gave shape {r.shape}, "

@@ -246,7 +246,7 @@ def record_values(func, args, kwargs):
         inputs.append(random.state_value())
     node = Node(rule, key, inputs, targs, tkwargs, scalars)
     outs = [Value(d, node, i) for i, d in enumerate(meta.descs)]
-    node.outs = outs
+    node.outs = list(outs)
     if rule.rng:
         random.advance(node, len(outs))
     return outs, meta
@@ -285,7 +285,8 @@ def assign(t, val):
     for entry, base in zip(reversed(view), reversed(bases)):
         new = _inverse(entry, base, new)
     st.write(new)
-    t._vcache = (st.version, val)
+    # no view cache here: ``val`` was computed from the old base, whose buffer a sync may donate
+    t._vcache = None
 
 
 def _inverse(entry, base, new):
@@ -532,6 +533,21 @@ def _noop(func, args, kwargs):
     return None
 
 
+def _native_batch_norm(func, args, kwargs):
+    """``native_batch_norm`` updates running stats in place although its schema does not say so:
+    record the functional twin and write the new stats back."""
+    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum",
+             "eps")
+    a = dict(zip(names, args), **kwargs)
+    if not a["training"] or a["running_mean"] is None:
+        return _guarded(_rule_handler, func)(func, args, kwargs)
+    fn = aten._native_batch_norm_legit_functional.default
+    out, mean, rstd, new_mean, new_var = _handler(fn)(fn, tuple(a[n] for n in names), {})
+    _write_back(a["running_mean"], new_mean, func)
+    _write_back(a["running_var"], new_var, func)
+    return out, mean, rstd
+
+
 def _fused_sdp_choice(func, args, kwargs):
     return 0  # SDPBackend.MATH until an attention lowering is wired
 
@@ -595,6 +611,7 @@ _SPECIAL = {
     aten.resolve_neg.default: _identity,
     aten.record_stream.default: _noop,
     aten._fused_sdp_choice.default: _fused_sdp_choice,
+    aten.native_batch_norm.default: _native_batch_norm,
 }
 
 
