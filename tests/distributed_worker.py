@@ -1,0 +1,397 @@
+"""Worker for the multi-process tests (tests/test_distributed_*.py), one process per rank.
+
+    python -m torch.distributed.run --nproc_per_node=2 tests/distributed_worker.py collectives OUT
+    python -m torch.distributed.run --nproc_per_node=2 tests/distributed_worker.py train OUT ...
+    RANK=.. WORLD_SIZE=2 ... python tests/distributed_worker.py fail OUT --mode raise
+
+Every scenario checks its results itself (assertions against the math on CPU) and writes
+``OUT/<scenario>-<rank>.json`` with what it checked, so the test can tell "ran and passed" from
+"never got there".
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import torchacc
+import torchacc.torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
+from torchacc.distributed import collectives as C
+from torchacc.distributed import runtime
+
+DEV = torchacc.device()
+
+
+def to_dev(t):
+    return t.to(DEV)
+
+
+def write(out, name, payload):
+    path = os.path.join(out, f"{name}-{runtime.rank()}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(payload, f)
+    os.replace(path + ".tmp", path)
+
+
+def close(got, want, what, rtol=1e-6, atol=1e-6):
+    got = got.detach().cpu() if isinstance(got, torch.Tensor) else got
+    torch.testing.assert_close(got, want, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+# --------------------------------------------------------------------------------------------
+# collectives
+
+
+def per_rank(r, shape=(3, 4), dtype=torch.float32):
+    """What rank ``r`` contributes (known to every rank, so each can check the math)."""
+    n = math.prod(shape)
+    base = torch.arange(n, dtype=torch.float64).reshape(shape)
+    return (base * (r + 1) - 3 * r + 0.25).to(dtype)
+
+
+def scenario_collectives(args):
+    dist.init_process_group(backend="xla", init_method="env://")
+    W, r = dist.get_world_size(), dist.get_rank()
+    assert (W, r) == (runtime.world_size(), runtime.rank()), "dist vs runtime ranks"
+    assert W == int(os.environ["WORLD_SIZE"]) and r == int(os.environ["RANK"])
+    assert runtime.local_rank() == int(os.environ["LOCAL_RANK"])
+    try:
+        import torchacc.torch_xla.core.xla_model as xm
+    except ImportError:
+        xm = None
+    if xm is not None:
+        assert (xm.xrt_world_size(), xm.get_ordinal()) == (W, r), "xm vs dist ranks"
+    checks = ["ranks"]
+    ranks = range(W)
+    allr = [per_rank(q) for q in ranks]
+    ints = [torch.arange(5, dtype=torch.int64) * (q + 2) - q for q in ranks]
+
+    # ---- phase 1: record many collectives, then one sync runs them all -------------------
+    a, b, c = to_dev(allr[r]), to_dev(ints[r]), to_dev(per_rank(r, (4,), torch.bfloat16))
+    lst = [a.clone(), b.clone()]
+    C.all_reduce("sum", lst)  # in place, one coalesced collective
+    scaled = [a.clone(), c.clone()]
+    C.all_reduce("sum", scaled, scale=1.0 / W)
+    single = {op: C.all_reduce(op, a) for op in ("sum", "avg", "min", "max", "mul")}
+    flags = to_dev(torch.tensor([True, r == 0, False]))
+    f_and, f_or = C.all_reduce("and", flags), C.all_reduce("or", flags)
+    f_sum = C.all_reduce("sum", flags)
+    d_ops = {}
+    for name, op in (
+        ("SUM", dist.ReduceOp.SUM),
+        ("AVG", dist.ReduceOp.AVG),
+        ("MIN", dist.ReduceOp.MIN),
+        ("MAX", dist.ReduceOp.MAX),
+        ("PRODUCT", dist.ReduceOp.PRODUCT),
+    ):
+        t = a.clone()
+        work = dist.all_reduce(t, op=op, async_op=True)
+        assert work.wait()
+        d_ops[name] = t
+    coalesced = [a.clone(), a[0].clone()]
+    dist.all_reduce_coalesced(coalesced)
+    red = a.clone()
+    dist.reduce(red, dst=0)
+    # gathers
+    g_list = [to_dev(torch.zeros(3, 4)) for _ in ranks]
+    dist.all_gather(g_list, a)
+    g_cat = to_dev(torch.zeros(3 * W, 4))
+    dist.all_gather_into_tensor(g_cat, a)
+    g_stack = to_dev(torch.zeros(W, 3, 4))
+    dist.all_gather_into_tensor(g_stack, a)
+    g_xm = C.all_gather(a, dim=1)
+    g_int = C.all_gather(b, dim=0)
+    # reduce-scatters
+    rs_in = [to_dev(per_rank(r + q, (2, 4))) for q in ranks]
+    rs_out = to_dev(torch.zeros(2, 4))
+    dist.reduce_scatter(rs_out, rs_in)
+    big = to_dev(per_rank(r, (2 * W, 3)))
+    rs_t = to_dev(torch.zeros(2, 3))
+    dist.reduce_scatter_tensor(rs_t, big, op=dist.ReduceOp.MAX)
+    rs_xm = C.reduce_scatter("sum", to_dev(per_rank(r, (3, 2 * W))), 0.5, 1, W)
+    # broadcast, bit-exact (-0.0, nan, inf) and for ints / bools
+    special = torch.tensor([-0.0, float("nan"), float("inf"), 1.5 + r, -2.0])
+    bc_f, bc_i, bc_b = to_dev(special), to_dev(ints[r]), to_dev(torch.tensor([r == 1, True]))
+    for t in (bc_f, bc_i, bc_b):
+        dist.broadcast(t, src=1)
+    bc_xm = [a.clone()]
+    C.collective_broadcast(bc_xm, root_ordinal=0)
+    # all-to-all
+    a2a_in = to_dev(per_rank(r, (2 * W, 3)))
+    a2a_out = to_dev(torch.zeros(2 * W, 3))
+    dist.all_to_all_single(a2a_out, a2a_in)
+    a2a_xm = C.all_to_all(to_dev(per_rank(r, (2, 2 * W))), 1, 0, W)
+    a2a_list_out = [to_dev(torch.zeros(2)) for _ in ranks]
+    dist.all_to_all(a2a_list_out, [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks])
+
+    torchacc.sync()
+
+    # ---- check against the math ------------------------------------------------------------
+    total = sum(allr)
+    close(lst[0], total, "all_reduce list[0]")
+    close(lst[1], sum(ints), "all_reduce list[1] int64")
+    close(scaled[0], total / W, "all_reduce scale")
+    wantc = sum(per_rank(q, (4,), torch.bfloat16).float() for q in ranks) / W
+    close(scaled[1], wantc.to(torch.bfloat16), "all_reduce scale bf16", rtol=1e-2, atol=1e-2)
+    stack = torch.stack(allr)
+    close(single["sum"], total, "all_reduce sum")
+    close(single["avg"], total / W, "all_reduce avg")
+    close(single["min"], stack.min(0).values, "all_reduce min")
+    close(single["max"], stack.max(0).values, "all_reduce max")
+    close(single["mul"], stack.prod(0), "all_reduce product")
+    fl = torch.stack([torch.tensor([True, q == 0, False]) for q in ranks])
+    close(f_and, fl.all(0), "all_reduce and")
+    close(f_or, fl.any(0), "all_reduce or")
+    close(f_sum, fl.any(0), "all_reduce bool sum")
+    close(d_ops["SUM"], total, "dist.all_reduce SUM")
+    close(d_ops["AVG"], total / W, "dist.all_reduce AVG")
+    close(d_ops["MIN"], stack.min(0).values, "dist.all_reduce MIN")
+    close(d_ops["MAX"], stack.max(0).values, "dist.all_reduce MAX")
+    close(d_ops["PRODUCT"], stack.prod(0), "dist.all_reduce PRODUCT")
+    close(coalesced[0], total, "all_reduce_coalesced[0]")
+    close(coalesced[1], total[0], "all_reduce_coalesced[1]")
+    if r == 0:
+        close(red, total, "dist.reduce")
+    checks += ["all_reduce", "dist.all_reduce", "reduce"]
+    for q in ranks:
+        close(g_list[q], allr[q], f"dist.all_gather[{q}]")
+    close(g_cat, torch.cat(allr), "all_gather_into_tensor (concat)")
+    close(g_stack, torch.stack(allr), "all_gather_into_tensor (stacked)")
+    close(g_xm, torch.cat(allr, dim=1), "xm all_gather dim=1")
+    close(g_int, torch.cat(ints), "all_gather int64")
+    checks += ["all_gather"]
+    rs_full = sum(torch.stack([per_rank(q + k, (2, 4)) for k in ranks]) for q in ranks)
+    close(rs_out, rs_full[r], "dist.reduce_scatter")
+    big_all = torch.stack([per_rank(q, (2 * W, 3)) for q in ranks]).max(0).values
+    close(rs_t, big_all[2 * r : 2 * r + 2], "reduce_scatter_tensor MAX")
+    xs = sum(per_rank(q, (3, 2 * W)) for q in ranks) * 0.5
+    close(rs_xm, xs[:, 2 * r : 2 * r + 2], "xm reduce_scatter dim=1 scale")
+    checks += ["reduce_scatter"]
+    got = bc_f.cpu()
+    want = torch.tensor([-0.0, float("nan"), float("inf"), 2.5, -2.0])
+    assert torch.equal(got.view(torch.int32)[[0, 2, 3, 4]], want.view(torch.int32)[[0, 2, 3, 4]])
+    assert math.isnan(got[1].item()), f"broadcast nan: {got}"
+    close(bc_i, ints[1], "broadcast int64")
+    close(bc_b, torch.tensor([True, True]), "broadcast bool")
+    close(bc_xm[0], allr[0], "collective_broadcast")
+    checks += ["broadcast"]
+    blocks = [per_rank(q, (2 * W, 3)) for q in ranks]
+    close(a2a_out, torch.cat([blk[2 * r : 2 * r + 2] for blk in blocks]), "all_to_all_single")
+    xa = [per_rank(q, (2, 2 * W)) for q in ranks]
+    close(a2a_xm, torch.cat([x[:, 2 * r : 2 * r + 2] for x in xa], dim=0), "xm all_to_all")
+    for q in ranks:
+        close(a2a_list_out[q], torch.full((2,), 10.0 * q + r), f"dist.all_to_all[{q}]")
+    checks += ["all_to_all"]
+
+    # ---- phase 2: host-side sync, CPU tensors, errors ----------------------------------------
+    dist.barrier()
+    payloads = C.rendezvous("hello", f"rank{r}".encode())
+    assert payloads == [f"rank{q}".encode() for q in ranks], payloads
+    cpu = torch.full((3,), float(r + 1))
+    dist.all_reduce(cpu)
+    close(cpu, torch.full((3,), float(sum(q + 1 for q in ranks))), "all_reduce of a CPU tensor")
+    checks += ["barrier", "rendezvous", "cpu_tensor"]
+    errors = {}
+    for name, call in (
+        ("all_reduce", lambda: C.all_reduce("sum", [a], groups=[[0]])),
+        ("send", lambda: dist.send(a, dst=1 - r)),
+        (
+            "all_to_all_single",
+            lambda: dist.all_to_all_single(a2a_out, a2a_in, [1, 2 * W - 1], [1, 2 * W - 1]),
+        ),
+        ("avg", lambda: C.all_reduce("avg", b)),
+    ):
+        try:
+            call()
+        except NotImplementedError as e:
+            assert name in str(e), f"{name}: error does not name the op: {e}"
+            errors[name] = str(e)
+        else:
+            raise AssertionError(f"{name}: expected NotImplementedError")
+    sub = dist.new_group([0])
+    if r == 0:
+        try:
+            dist.all_reduce(a.clone(), group=sub)
+        except NotImplementedError as e:
+            assert "all_reduce" in str(e)
+            errors["subgroup"] = str(e)
+        else:
+            raise AssertionError("subgroup all_reduce: expected NotImplementedError")
+    checks += ["errors"]
+
+    # ---- phase 3: parameter broadcast, DistributedSampler + MpDeviceLoader ------------------
+    torch.manual_seed(100 + r)  # replicas start different ...
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).to(DEV)
+    torch.manual_seed(100)
+    want_model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    C.broadcast_parameters(model)  # ... until rank 0's values are broadcast
+    torchacc.sync()
+    for (name, p), q in zip(
+        model.state_dict().items(), want_model.state_dict().values(), strict=True
+    ):
+        close(p, q, f"broadcast_parameters {name}", rtol=0, atol=0)
+    checks += ["broadcast_parameters"]
+
+    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data.distributed import DistributedSampler
+
+    from torchacc.torch_xla.distributed import parallel_loader as pl
+
+    data = torch.arange(40, dtype=torch.float32).reshape(20, 2)
+    ds = TensorDataset(data, torch.arange(20))
+    sampler = DistributedSampler(ds, shuffle=True, seed=3)
+    assert sampler.num_replicas == W and sampler.rank == r
+    mine = list(iter(sampler))
+    others = [list(iter(DistributedSampler(ds, W, q, shuffle=True, seed=3))) for q in ranks]
+    assert mine == others[r]
+    assert sorted(sum(others, [])) == list(range(20)), "DistributedSampler shards"
+    loader = DataLoader(ds, batch_size=3, sampler=sampler)
+    device_loader = pl.MpDeviceLoader(loader, DEV)
+    marks0 = torchacc.metrics.counter_value("MarkStep") or 0
+    seen, sums = [], []
+    for x, idx in device_loader:
+        assert x.device.type == "torchacc" and idx.device.type == "torchacc"
+        seen.append(idx)
+        sums.append(C.all_reduce("sum", x.sum()))  # runs at the loader's next mark_step
+    n_batches = len(loader)
+    assert len(seen) == n_batches == len(device_loader)
+    marks = (torchacc.metrics.counter_value("MarkStep") or 0) - marks0
+    # as torch_xla: one mark_step as each batch is taken (the first one's is a no-op) and one
+    # when the loader runs out
+    assert marks == n_batches + 2, f"MpDeviceLoader: {marks} mark_steps for {n_batches} batches"
+    got_idx = torch.cat([s.cpu() for s in seen]).tolist()
+    assert got_idx == mine, f"loader order {got_idx} vs sampler {mine}"
+    batches = [[o[i : i + 3] for i in range(0, len(o), 3)] for o in others]
+    for k, s in enumerate(sums):
+        want = sum(data[torch.tensor(batches[q][k])].sum() for q in ranks)
+        close(s, want, f"loader batch {k} all_reduce")
+    checks += ["distributed_sampler", "mp_device_loader"]
+
+    write(args.out, "collectives", {"checks": checks, "errors": errors, "world": W})
+    dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# training parity
+
+
+def batch_for(step, full_batch):
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randn(full_batch, 8, generator=g), torch.randn(full_batch, 4, generator=g)
+
+
+def make_model():
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4)
+    )
+
+
+def _reduce_gradients(model, optimizer, api, world):
+    """Average the gradients over the ranks the way a recipe does."""
+    if api == "xm":  # the seed's recipe: xm._fetch_gradients + xm.all_reduce(scale=1/world)
+        try:
+            import torchacc.torch_xla.core.xla_model as xm
+        except ImportError:  # the compat layer is not there: the same call on our API
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            C.all_reduce("sum", grads, scale=1.0 / world)
+            return "collectives.all_reduce"
+        gradients = xm._fetch_gradients(optimizer)
+        xm.all_reduce("sum", gradients, scale=1.0 / world)
+        return "xm.all_reduce"
+    for p in model.parameters():  # torch.distributed on the "xla" process group
+        if p.grad is not None:
+            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+    return "dist.all_reduce"
+
+
+def scenario_train(args):
+    """Train a tiny MLP for ``--steps`` steps: in one process on ``--batch`` samples, or in W
+    processes on ``--batch`` samples each (rank r takes rows r*b..(r+1)*b of the same global
+    batch). Two recipes: SGD+momentum with xm-style gradient averaging and AdamW with
+    dist.all_reduce(AVG)."""
+    W, r = runtime.world_size(), runtime.rank()
+    if W > 1:
+        dist.init_process_group(backend="xla", init_method="env://")
+    result = {}
+    for name, opt_name, api in (("sgd", "sgd", "xm"), ("adamw", "adamw", "dist")):
+        full = args.batch * W
+        model = make_model().to(DEV)
+        if W > 1:
+            C.broadcast_parameters(model)
+        if opt_name == "sgd":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses, used = [], None
+        for step in range(args.steps):
+            x, y = batch_for(step, full)
+            rows = slice(r * args.batch, (r + 1) * args.batch)
+            x, y = x[rows].to(DEV), y[rows].to(DEV)
+            loss = nn.functional.mse_loss(model(x), y)
+            opt.zero_grad()
+            loss.backward()
+            if W > 1:
+                used = _reduce_gradients(model, opt, api, W)
+            opt.step()
+            torchacc.sync()
+            losses.append(loss.detach())
+        result[name] = {
+            "params": {k: v.detach().cpu().tolist() for k, v in model.state_dict().items()},
+            "losses": [float(v) for v in losses],
+            "api": used,
+        }
+    write(args.out, f"train-{W}", result)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# failure
+
+
+def scenario_fail(args):
+    """Steps with a collective, the host waiting for each; after step 3 each rank writes
+    ``OUT/ready-<rank>``. Then rank ``--victim`` raises (``--mode raise``) or keeps going until the
+    test kills it (``--mode kill``); with ``--idle`` the other ranks stop issuing collectives and
+    sit in host code, so only the runtime's heartbeat can tell them the victim is gone."""
+    W, r = runtime.world_size(), runtime.rank()
+    x = to_dev(torch.ones(64))
+    for step in range(1, 100000):
+        if step > 3 and args.idle and r != args.victim:
+            time.sleep(600)  # host work; never returns in a passing test
+        x = C.all_reduce("sum", x, scale=1.0 / W)
+        torchacc.sync()
+        x.cpu()  # the host waits for the collective every step
+        if step == 3:
+            with open(os.path.join(args.out, f"ready-{r}"), "w") as f:
+                f.write(str(os.getpid()))
+        if step == 5 and r == args.victim and args.mode == "raise":
+            raise RuntimeError("deliberate failure on the victim rank")
+        time.sleep(0.05)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("scenario", choices=["collectives", "train", "fail"])
+    p.add_argument("out")
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--mode", choices=["raise", "kill"], default="raise")
+    p.add_argument("--idle", action="store_true")
+    p.add_argument("--victim", type=int, default=1)
+    args = p.parse_args()
+    {"collectives": scenario_collectives, "train": scenario_train, "fail": scenario_fail}[
+        args.scenario
+    ](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,120 @@
+"""Collectives: a 2-process job checks every collective against the math; in-process tests cover
+the SPMD compile path on a one-device mesh and the one-process helpers."""
+
+import pytest
+import torch
+from distributed_launch import load, report, torchrun
+
+import torchacc
+from torchacc.distributed import collectives as C
+from torchacc.distributed import runtime
+
+EXPECTED_CHECKS = {
+    "ranks",
+    "all_reduce",
+    "dist.all_reduce",
+    "reduce",
+    "all_gather",
+    "reduce_scatter",
+    "broadcast",
+    "all_to_all",
+    "barrier",
+    "rendezvous",
+    "cpu_tensor",
+    "errors",
+    "broadcast_parameters",
+    "distributed_sampler",
+    "mp_device_loader",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_collectives_two_processes(tmp_path):
+    proc = torchrun("collectives", tmp_path)
+    assert proc.returncode == 0, report(proc)
+    for rank in range(2):
+        got = load(tmp_path, "collectives", rank)
+        assert got["world"] == 2
+        assert set(got["checks"]) == EXPECTED_CHECKS, report(proc)
+    errors = load(tmp_path, "collectives", 0)["errors"]
+    assert set(errors) == {"all_reduce", "send", "all_to_all_single", "avg", "subgroup"}
+
+
+# ------------------------------------------------------------------------------------------------
+# in-process: one device, world size 1
+
+
+def dev(t):
+    return t.to(torchacc.device())
+
+
+def test_one_process_helpers_are_local_math():
+    assert runtime.world_size() == 1 and runtime.rank() == 0
+    x = dev(torch.arange(6.0).reshape(2, 3))
+    torch.testing.assert_close(C.all_reduce("sum", x, scale=0.5).cpu(), x.cpu() * 0.5)
+    grads = [dev(torch.ones(3)), dev(torch.full((2,), 4.0))]
+    assert C.all_reduce("sum", grads, scale=0.25) is grads
+    torch.testing.assert_close(grads[1].cpu(), torch.full((2,), 1.0))
+    torch.testing.assert_close(C.all_gather(x, dim=1).cpu(), x.cpu())
+    torch.testing.assert_close(C.reduce_scatter("sum", x, 2.0, 0, 1).cpu(), x.cpu() * 2)
+    torch.testing.assert_close(C.broadcast(x, 0).cpu(), x.cpu())
+    torch.testing.assert_close(C.all_to_all(x, 0, 1, 1).cpu(), x.cpu())
+    assert C.rendezvous("tag", b"me") == [b"me"]
+    C.barrier()
+
+
+def test_errors_name_the_op():
+    x = dev(torch.ones(2))
+    with pytest.raises(NotImplementedError, match="all_reduce"):
+        C.all_reduce("sum", [x], groups=[[0], [1]])
+    with pytest.raises(NotImplementedError, match="avg"):
+        C.all_reduce("avg", dev(torch.ones(2, dtype=torch.int64)))
+    with pytest.raises(ValueError, match="unknown reduce type"):
+        C.all_reduce("median", x)
+    with pytest.raises(TypeError, match="torchacc device"):
+        C.all_reduce("sum", torch.ones(2))
+    C.all_reduce("sum", [x], groups=[[0]])  # the whole (one-process) world is fine
+
+
+def test_collective_ops_compile_as_spmd_program():
+    """The recorded collective ops run through runtime.compile_spmd (a one-device mesh here)."""
+    from torchacc import compile as compiler
+    from torchacc import metrics
+
+    ops = C.ops
+    x = dev(torch.arange(6.0).reshape(2, 3))
+    n = dev(torch.tensor([1, 2]))
+    flags = dev(torch.tensor([True, False]))
+    before = compiler.cache_size()
+    s, i = ops.all_reduce.default([x * 2, n], "sum", 0.5, True)
+    mx, fl = ops.all_reduce.default([x, flags], "max", 1.0, False)
+    g = ops.all_gather.default(x, 1, 1)
+    b = ops.broadcast.default([x, n, flags], 0)
+    rs = ops.reduce_scatter.default(x, "avg", 1.0, False, 0, 1)
+    a2a = ops.all_to_all.default(x, 0, 1, 1)
+    y = s + 1  # ordinary ops after a collective live in the same SPMD program
+    torchacc.sync()
+    assert compiler.cache_size() == before + 1
+    exe = next(reversed(compiler._cache.values()))
+    assert isinstance(exe, runtime.SpmdExecutable)
+    torch.testing.assert_close(y.cpu(), x.cpu() + 1)
+    torch.testing.assert_close(i.cpu(), n.cpu())
+    torch.testing.assert_close(mx.cpu(), x.cpu())
+    assert fl.cpu().tolist() == [True, False]
+    for t in (g, rs, a2a, b[0]):
+        torch.testing.assert_close(t.cpu(), x.cpu())
+    assert b[1].cpu().tolist() == [1, 2] and b[2].cpu().tolist() == [True, False]
+    assert (metrics.counter_value("UncachedCompile") or 0) >= 1
+
+
+def test_graph_order_is_creation_order():
+    """Every rank must build the same graph: live storages come back oldest first."""
+    from torchacc.graph import live_storages
+
+    ts = [dev(torch.full((2,), float(k))) for k in range(50)]
+    seqs = [st.seq for st in live_storages()]
+    assert seqs == sorted(seqs)
+    mine = {id(t._st) for t in ts}
+    ordered = [st for st in live_storages() if id(st) in mine]
+    assert [id(st) for st in ordered] == [id(t._st) for t in ts]
