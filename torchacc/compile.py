@@ -65,7 +65,8 @@ class Graph:
             parts.append(node.key)
             parts.append(tuple(ids[id(v)] for v in node.inputs))
             for out in node.outs:
-                ids[id(out)] = len(ids)
+                if out is not None:
+                    ids[id(out)] = len(ids)
             for s in node.scalars:
                 (ints if type(s) is int or type(s) is bool else floats).append(s)
         self.order = order
@@ -121,6 +122,8 @@ def _fill(t, env, scalars):
         return scalars[t]
     if tp is list or tp is tuple:
         return [_fill(x, env, scalars) for x in t]
+    if tp is dict:
+        return {k: _fill(v, env, scalars) for k, v in t.items()}
     return t
 
 
@@ -141,11 +144,14 @@ def _program(graph):
                 fpos += 1
         out_ids = []
         for out in node.outs:
+            if out is None:
+                out_ids.append(None)
+                continue
             ids[id(out)] = len(ids)
             out_ids.append(ids[id(out)])
         kinds = _scalar_kinds(node)
         steps.append((node.rule, node.args, node.kwargs, [ids[id(v)] for v in node.inputs],
-                      slots, kinds, out_ids, [o.desc for o in node.outs]))
+                      slots, kinds, out_ids, [None if o is None else o.desc for o in node.outs]))
     out_ids = [ids[id(v)] for v in graph.outputs]
 
     def program(floats, ints, *arrays):
@@ -165,13 +171,15 @@ def _program(graph):
                 extra["rng"] = sub
                 n -= 1
             if rule.out_meta:
-                extra["out"] = [(d[0], jdtype(d[2])) for d in descs[:n]]
+                extra["out"] = [None if d is None else (d[0], jdtype(d[2])) for d in descs[:n]]
             result = rule.fn(*_fill(args, ins, sc), **_fill(kwargs, ins, sc), **extra)
             results = list(result) if isinstance(result, (tuple, list)) else [result]
             if len(results) != n:
                 raise RuntimeError(f"torchacc: lowering of {rule.name} returned {len(results)} "
                                    f"outputs, PyTorch's op has {n}")
             for slot, r, d in zip(outs, results, descs):
+                if slot is None:
+                    continue
                 if r is None:
                     raise RuntimeError(f"torchacc: lowering of {rule.name} returned None for an "
                                        "output PyTorch's meta kernel produces")
@@ -193,9 +201,24 @@ def _scalar_kinds(node):
     for part in node.key:
         if type(part) is tuple and len(part) == 2 and part[0] == "cpu0":
             kinds.append(jdtype(part[1]))
+        elif type(part) is tuple and len(part) == 2 and part[0] == "wrapped":
+            kinds.append(_wrapped_dtype(part[1], node))
         elif part is float or part is int:
             kinds.append(None)
     return kinds
+
+
+def _wrapped_dtype(kind, node):
+    """dtype of a Python number standing for a tensor: the partner tensor's dtype when they are of
+    the same category (torch's wrapped-number promotion), else torch's default for the number."""
+    import torch
+
+    ref = node.inputs[0].desc[2] if node.inputs else None
+    if kind is float:
+        same = ref is not None and ref.is_floating_point
+        return jdtype(ref if same else torch.get_default_dtype())
+    same = ref is not None and not ref.is_floating_point and ref != torch.bool
+    return jdtype(ref if same else torch.int64)
 
 
 def compiled_for(graph, args):

@@ -105,8 +105,10 @@ def _compute_meta(func, args, kwargs):
         return Meta((), "none")
     if isinstance(out, torch.Tensor):
         return Meta((desc_of(out),), "one")
-    if isinstance(out, (tuple, list)) and all(isinstance(o, torch.Tensor) for o in out):
-        return Meta(tuple(desc_of(o) for o in out), "tuple" if isinstance(out, tuple) else "list")
+    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+        # backward ops with an output_mask return None in the masked positions
+        descs = tuple(None if o is None else desc_of(o) for o in out)
+        return Meta(descs, "tuple" if isinstance(out, tuple) else "list")
     raise NeedsFallback(f"{func} returns {type(out).__name__}")
 
 
@@ -153,7 +155,7 @@ def _scan(a, lift, inputs, scalars, sig, func):
     if tp is float or (tp is int and lift):
         if lift:
             scalars.append(a)
-            sig.append(tp)
+            sig.append(tp if lift == 1 else ("wrapped", tp))
             return ScalarSlot(len(scalars) - 1)
         sig.append(a)
         return a
@@ -203,9 +205,19 @@ class OpSpec:
     def __init__(self, func, rule):
         self.func = func
         self.rule = rule
+        # 1: a Scalar/float argument -> runtime scalar; 2: a Python number where the schema says
+        # Tensor (torch's "wrapped number") -> runtime scalar of the partner tensor's dtype
         lifted = scalar_arguments(func, rule.static if rule else frozenset())
-        self.lift_pos = frozenset(p for p, _ in lifted.values() if p is not None)
-        self.lift_kw = frozenset(lifted)
+        self.lift_pos = {p: 1 for p, _ in lifted.values() if p is not None}
+        self.lift_kw = dict.fromkeys(lifted, 1)
+        position = 0
+        for arg in func._schema.arguments:
+            if str(arg.type) in ("Tensor", "Optional[Tensor]"):
+                if arg.kwarg_only:
+                    self.lift_kw[arg.name] = 2
+                else:
+                    self.lift_pos[position] = 2
+            position += not arg.kwarg_only
 
 
 _specs: dict = {}
@@ -227,13 +239,13 @@ def record_values(func, args, kwargs):
     inputs, scalars = [], []
     sig = [func]
     lift_pos = spec.lift_pos
-    targs = [_scan(a, i in lift_pos, inputs, scalars, sig, func) for i, a in enumerate(args)]
+    targs = [_scan(a, lift_pos.get(i, 0), inputs, scalars, sig, func) for i, a in enumerate(args)]
     if kwargs:
         lift_kw = spec.lift_kw
         tkwargs = {}
         for k, v in kwargs.items():
             sig.append(k)
-            tkwargs[k] = _scan(v, k in lift_kw, inputs, scalars, sig, func)
+            tkwargs[k] = _scan(v, lift_kw.get(k, 0), inputs, scalars, sig, func)
     else:
         tkwargs = kwargs
     key = tuple(sig)
@@ -245,7 +257,7 @@ def record_values(func, args, kwargs):
 
         inputs.append(random.state_value())
     node = Node(rule, key, inputs, targs, tkwargs, scalars)
-    outs = [Value(d, node, i) for i, d in enumerate(meta.descs)]
+    outs = [None if d is None else Value(d, node, i) for i, d in enumerate(meta.descs)]
     node.outs = list(outs)
     if rule.rng:
         random.advance(node, len(outs))
@@ -253,7 +265,7 @@ def record_values(func, args, kwargs):
 
 
 def wrap(values, meta):
-    ts = [make(new_storage(v, v.desc), v.desc) for v in values]
+    ts = [None if v is None else make(new_storage(v, v.desc), v.desc) for v in values]
     kind = meta.kind
     if kind == "one":
         return ts[0]
@@ -413,7 +425,8 @@ def _find_out_functional(func, out_names):
         cand = getattr(func.overloadpacket, ov)
         if cand is func:
             continue
-        got = [(a.name, str(a.type)) for a in cand._schema.arguments]
+        got = [(a.name, str(a.type)) for a in cand._schema.arguments
+               if not (a.kwarg_only and a.has_default_value() and a.name not in dict(want))]
         if got == want:
             return cand
     return None
