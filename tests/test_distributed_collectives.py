@@ -80,7 +80,6 @@ def test_errors_name_the_op():
 def test_collective_ops_compile_as_spmd_program():
     """The recorded collective ops run through runtime.compile_spmd (a one-device mesh here)."""
     from torchacc import compile as compiler
-    from torchacc import metrics
 
     ops = C.ops
     x = dev(torch.arange(6.0).reshape(2, 3))
@@ -105,7 +104,6 @@ def test_collective_ops_compile_as_spmd_program():
     for t in (g, rs, a2a, b[0]):
         torch.testing.assert_close(t.cpu(), x.cpu())
     assert b[1].cpu().tolist() == [1, 2] and b[2].cpu().tolist() == [True, False]
-    assert (metrics.counter_value("UncachedCompile") or 0) >= 1
 
 
 def test_graph_order_is_creation_order():
