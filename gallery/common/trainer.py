@@ -460,7 +460,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         summary["steady_tokens_per_sec"] = steady_sps * task.tokens_per_sample
     result = {
         "config": {
-            **vars(args),
+            **{k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY},
             "mode": mode,
             "world_size": world_size,
             "device": device_name,
