@@ -1,0 +1,99 @@
+"""``torch_xla`` on torchacc: the same module paths, backed by the torchacc lazy device.
+
+``import torchacc.torch_xla as torch_xla`` (TorchAcc recipes), or run an unchanged torch_xla script
+with ``python -m torchacc.run_torch_xla script.py`` / ``import torchacc.alias`` so that
+``import torch_xla...`` resolves here. What is supported, what differs and what is missing:
+docs/api_table.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+import torchacc
+
+__version__ = "2.13.0+torchacc"
+
+
+def device(index=None):
+    """This process's torchacc device (torch_xla's ``torch_xla.device()``)."""
+    return torchacc.device(0 if index is None else index)
+
+
+def devices():
+    return [torchacc.device()]
+
+
+def device_count():
+    return 1
+
+
+def real_devices():
+    hw = "CUDA" if torchacc.device_hw() == "GPU" else "CPU"
+    return [f"{hw}:0"]
+
+
+def sync(wait=False, reset_scope=True):
+    """Compile (on a cache miss) and launch everything recorded: ``xm.mark_step``."""
+    from torchacc.torch_xla.core import xla_model
+
+    xla_model.mark_step(wait=wait)
+
+
+def manual_seed(seed, device=None):
+    torch.manual_seed(seed)
+
+
+@contextlib.contextmanager
+def step():
+    """``with torch_xla.step():`` -- the block is one step: sync before and after."""
+    sync()
+    try:
+        yield
+    finally:
+        sync()
+
+
+def compile(f=None, full_graph=False, name=None, num_different_graphs_allowed=None):
+    """torch_xla's eager-mode ``compile``: torchacc is always lazy, so the function body is simply
+    one recorded step, synced when the call returns."""
+    if f is None:
+        return functools.partial(
+            compile,
+            full_graph=full_graph,
+            name=name,
+            num_different_graphs_allowed=num_different_graphs_allowed,
+        )
+
+    @functools.wraps(f)
+    def wrapper(*args, **kwargs):
+        sync()
+        out = f(*args, **kwargs)
+        sync()
+        return out
+
+    return wrapper
+
+
+def launch(fn, args=(), start_method="spawn", debug_single_process=False):
+    """Run ``fn(index, *args)`` in this process (one process per device; start several with
+    torchrun)."""
+    from torchacc.torch_xla.distributed import xla_multiprocessing
+
+    return xla_multiprocessing.spawn(fn, args=args, nprocs=None, start_method=start_method)
+
+
+__all__ = [
+    "compile",
+    "device",
+    "device_count",
+    "devices",
+    "launch",
+    "manual_seed",
+    "real_devices",
+    "step",
+    "sync",
+]
