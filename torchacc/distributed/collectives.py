@@ -309,11 +309,6 @@ def _write(targets, results):
     with torch.no_grad():
         for t, r in zip(targets, results, strict=True):
             t.copy_(r)
-            if isinstance(t, LazyTensor) and t._view is not None:
-                # A view (a Parameter is a detach-view of its storage) caches the written Value,
-                # which the sync computes only inside the graph; after the sync that cache would
-                # point at a pending Value whose inputs were donated. Re-read it from the storage.
-                t._vcache = None
 
 
 def _local_scale(t, scale):
