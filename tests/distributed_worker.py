@@ -108,6 +108,7 @@ def scenario_collectives(args):
     dist.all_gather_into_tensor(g_stack, a)
     g_xm = C.all_gather(a, dim=1)
     g_int = C.all_gather(b, dim=0)
+    g_scalar = C.all_gather(a.sum())
     # reduce-scatters
     rs_in = [to_dev(per_rank(r + q, (2, 4))) for q in ranks]
     rs_out = to_dev(torch.zeros(2, 4))
@@ -166,6 +167,7 @@ def scenario_collectives(args):
     close(g_stack, torch.stack(allr), "all_gather_into_tensor (stacked)")
     close(g_xm, torch.cat(allr, dim=1), "xm all_gather dim=1")
     close(g_int, torch.cat(ints), "all_gather int64")
+    close(g_scalar, torch.stack([x.sum() for x in allr]), "all_gather of a scalar")
     checks += ["all_gather"]
     rs_full = sum(torch.stack([per_rank(q + k, (2, 4)) for k in ranks]) for q in ranks)
     close(rs_out, rs_full[r], "dist.reduce_scatter")

@@ -57,6 +57,7 @@ def test_one_process_helpers_are_local_math():
     assert C.all_reduce("sum", grads, scale=0.25) is grads
     torch.testing.assert_close(grads[1].cpu(), torch.full((2,), 1.0))
     torch.testing.assert_close(C.all_gather(x, dim=1).cpu(), x.cpu())
+    assert C.all_gather(dev(torch.tensor(3.0))).cpu().tolist() == [3.0]
     torch.testing.assert_close(C.reduce_scatter("sum", x, 2.0, 0, 1).cpu(), x.cpu() * 2)
     torch.testing.assert_close(C.broadcast(x, 0).cpu(), x.cpu())
     torch.testing.assert_close(C.all_to_all(x, 0, 1, 1).cpu(), x.cpu())

@@ -350,7 +350,9 @@ def all_gather(value, dim=0, groups=None, output=None, pin_layout=True):
         return results
     _check_tensors("all_gather", [value])
     w = world_size()
-    dim = dim % max(value.dim(), 1)
+    if value.dim() == 0:  # scalars gather into a vector
+        value = value.unsqueeze(0)
+    dim = dim % value.dim()
     result = value.clone() if w == 1 else ops.all_gather.default(value, dim, w)
     if output is not None:
         _write([output], [result])
