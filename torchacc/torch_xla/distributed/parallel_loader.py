@@ -174,7 +174,9 @@ class ParallelLoader:
                 break
 
     def __del__(self):
-        self._done.set()
+        done = getattr(self, "_done", None)
+        if done is not None:
+            done.set()
 
     def _put(self, item):
         while not self._done.is_set():
