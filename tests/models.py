@@ -18,7 +18,8 @@ class MLP(nn.Module):
 class CNN(nn.Module):
     def __init__(self, classes=5):
         super().__init__()
-        self.conv1 = nn.Conv2d(3, 8, 3, padding=1)
+        # no conv bias before BatchNorm: its gradient is ~0 and AdamW would amplify the noise
+        self.conv1 = nn.Conv2d(3, 8, 3, padding=1, bias=False)
         self.bn1 = nn.BatchNorm2d(8)
         self.conv2 = nn.Conv2d(8, 8, 3, stride=2, padding=1, bias=False)
         self.bn2 = nn.BatchNorm2d(8)
@@ -36,7 +37,8 @@ class Attention(nn.Module):
     def __init__(self, d, heads, sdpa):
         super().__init__()
         self.heads, self.sdpa = heads, sdpa
-        self.qkv = nn.Linear(d, 3 * d)
+        # no qkv bias: the key bias has an exactly-zero gradient, pure noise under AdamW
+        self.qkv = nn.Linear(d, 3 * d, bias=False)
         self.proj = nn.Linear(d, d)
 
     def forward(self, x):

@@ -16,10 +16,12 @@ from torchacc.device import device, device_hw, jax_device, platform
 from torchacc.execute import sync, wait_device_ops
 from torchacc.tensor import LazyTensor
 from torchacc import _factories  # noqa: F401  (device= factories route here)
+from torchacc.amp import autocast_policy as _autocast_policy
 
 mark_step = sync
 
 _compile.enable_persistent_cache()
+_autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
 __all__ = [
     "LazyTensor", "device", "device_hw", "jax_device", "mark_step", "metrics", "platform", "sync",

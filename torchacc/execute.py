@@ -28,6 +28,15 @@ def put(host_array):
     return jax.device_put(host_array, jax_device())
 
 
+_after_sync: list = []
+
+
+def after_sync(fn):
+    """Call ``fn()`` after every sync (torch_xla step closures hook in here)."""
+    _after_sync.append(fn)
+    return fn
+
+
 def _numpy_of(t):
     if t.dtype == torch.bfloat16:
         return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
@@ -42,7 +51,8 @@ def upload(host):
 
     host = host.detach().contiguous()
     start = time.perf_counter()
-    array = put(_numpy_of(host))
+    # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
+    array = put(np.array(_numpy_of(host), copy=True))
     metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferToDevice")
     return Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
@@ -110,6 +120,8 @@ def sync(wait=False):
     end = time.perf_counter()
     metrics.record_time("SyncTime", end - now)
     _last_sync_end[0] = end
+    for fn in _after_sync:
+        fn()
 
 
 def wait_device_ops():

@@ -18,6 +18,7 @@ import sys
 import torch
 
 import torchacc
+from torchacc import execute as _execute
 from torchacc import metrics  # noqa: F401  (xm users reach metrics through torch_xla.debug)
 
 REDUCE_SUM = "sum"
@@ -200,6 +201,7 @@ def add_step_closure(closure, args=(), run_async=False):
     _step_closures.append((closure, args))
 
 
+@_execute.after_sync
 def _run_step_closures():
     closures = list(_step_closures)
     _step_closures.clear()
@@ -209,8 +211,7 @@ def _run_step_closures():
 
 def mark_step(wait=False, reset_scope=True):
     """Compile (on a cache miss) and launch the recorded step: ``torchacc.sync``."""
-    torchacc.sync(wait=wait)
-    _run_step_closures()
+    torchacc.sync(wait=wait)  # step closures run from the after-sync hook
 
 
 def wait_device_ops(devices=None):
