@@ -65,7 +65,8 @@ def single(scenario, out, *args, timeout=240):
 
 def spawn(scenario, out, *args, nproc=2, **extra_env):
     """Start ``nproc`` worker processes with torchrun's variables but no torchrun agent (which
-    would itself tear the job down when a worker fails); returns the Popen objects."""
+    would itself tear the job down when a worker fails); returns the Popen objects. Rank r's
+    stdout and stderr go to ``OUT/rank<r>.log`` (see ``log``)."""
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -79,12 +80,17 @@ def spawn(scenario, out, *args, nproc=2, **extra_env):
             **extra_env,
         )
         cmd = [sys.executable, WORKER, scenario, str(out), *map(str, args)]
-        procs.append(
-            subprocess.Popen(
-                cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO
-            )
-        )
+        with open(os.path.join(out, f"rank{rank}.log"), "w") as f:
+            procs.append(subprocess.Popen(cmd, env=e, stdout=f, stderr=subprocess.STDOUT, cwd=REPO))
     return procs
+
+
+def log(out, rank, last=40):
+    """The last lines of rank ``rank``'s output from ``spawn`` (Gloo chatter and C++ stack
+    frames left out)."""
+    with open(os.path.join(out, f"rank{rank}.log"), errors="replace") as f:
+        lines = [ln for ln in f.read().splitlines() if not ln.startswith(("[Gloo]", "    @"))]
+    return "\n".join(lines[-last:])
 
 
 def report(proc):

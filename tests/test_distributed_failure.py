@@ -9,7 +9,7 @@ import signal
 import time
 
 import pytest
-from distributed_launch import spawn
+from distributed_launch import log, spawn
 
 DEADLINE = 60.0
 
@@ -19,20 +19,11 @@ def _wait_ready(procs, out, timeout=180.0):
     while time.time() < end:
         if all(os.path.exists(os.path.join(out, f"ready-{r}")) for r in range(len(procs))):
             return
-        for p in procs:
+        for r, p in enumerate(procs):
             if p.poll() is not None:
-                raise AssertionError(f"a rank exited before the job was up:\n{_output(p)}")
+                raise AssertionError(f"rank {r} exited before the job was up:\n{log(out, r)}")
         time.sleep(0.2)
     raise AssertionError("the job did not come up in time")
-
-
-def _output(p):
-    try:
-        out, err = p.communicate(timeout=5)
-    except Exception:
-        return "<no output>"
-    lines = [ln for ln in (out + "\n" + err).splitlines() if not ln.startswith(("[Gloo]", "    @"))]
-    return "\n".join(lines[-40:])
 
 
 def _wait_exit(p, since):
@@ -73,12 +64,12 @@ def test_survivor_exits_in_time(tmp_path, mode, victim, idle):
             assert _wait_exit(procs[victim], died) is not None, "the raising rank did not exit"
             died = time.time()
             assert procs[victim].returncode != 0
-            text = _output(procs[victim])
+            text = log(tmp_path, victim)
             assert "deliberate failure" in text and "exiting now" in text, text
         survivor = procs[1 - victim]
         took = _wait_exit(survivor, died)
         assert took is not None, f"rank {1 - victim} still running {DEADLINE + 30:.0f} s later"
-        text = _output(survivor)
+        text = log(tmp_path, 1 - victim)
         assert survivor.returncode != 0, text
         assert took < DEADLINE, f"rank {1 - victim} took {took:.1f} s to exit:\n{text}"
         # a clear error: the failed collective, or the runtime noticing the other rank is gone
