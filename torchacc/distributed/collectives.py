@@ -509,7 +509,9 @@ def rendezvous(tag, payload=b"", replicas=(), timeout_s=1800.0):
 def broadcast_parameters(module, src=0):
     """Overwrite ``module``'s parameters and buffers with process ``src``'s (replicas start equal).
 
-    Recorded like any collective: it runs with the next sync. Returns ``module``.
+    Like torch_xla's ``broadcast_master_param`` it syncs right away, so the parameters hold their
+    final values on return (no rank can later read them alone while the broadcast is pending).
+    Returns ``module``.
     """
     tensors = [
         t
@@ -518,6 +520,9 @@ def broadcast_parameters(module, src=0):
     ]
     if tensors and world_size() > 1:
         broadcast(tensors, src)
+        import torchacc
+
+        torchacc.sync()
     return module
 
 
