@@ -64,3 +64,19 @@ def test_train_matches_eager(kind):
         torch.testing.assert_close(b.cpu(), c, rtol=1e-4, atol=1e-5, msg=name)
     assert compiles[-1] == compiles[1], f"recompiled after step 2: {compiles}"
     assert metrics.executed_fallback_ops() == []
+
+
+def test_tied_weights_stay_tied_and_optimizer_survives_to():
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10, bias=False))
+    ref[1].weight = ref[0].weight
+    model = copy.deepcopy(ref)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)  # built before .to(), as users do
+    model.to(torchacc.device())
+    assert model[0].weight is model[1].weight
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.5)
+    idx = torch.tensor([[1, 2, 3]])
+    for m, o, dev in ((model, opt, torchacc.device()), (ref, ropt, torch.device("cpu"))):
+        m(idx.to(dev)).sum().backward()
+        o.step()
+    torch.testing.assert_close(model[0].weight.cpu(), ref[0].weight.detach())

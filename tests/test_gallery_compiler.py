@@ -13,7 +13,7 @@ import os
 import pytest
 from gallery_harness import check_metrics, load_metrics, run_launcher
 
-COMPILER_PATH_READY = False
+COMPILER_PATH_READY = True
 
 pytestmark = [
     pytest.mark.slow,
@@ -25,7 +25,9 @@ pytestmark = [
 ]
 
 CASES = {
-    "resnet50": ["--model=resnet50", "--image_size=32", "--batch_size=2", "--mock_samples=64"],
+    # 64 px x 4: at 32 px x 2 layer4's BatchNorm sees 2 values per channel and fp32 itself is
+    # off from fp64 by ~1 there (measured), so no fp32 implementation could match to 1e-4
+    "resnet50": ["--model=resnet50", "--image_size=64", "--batch_size=4", "--mock_samples=64"],
     "gpt-tiny": ["--model=gpt-tiny", "--seq_len=16", "--batch_size=2"],
 }
 

@@ -21,6 +21,11 @@ from torchacc.amp import autocast_policy as _autocast_policy
 mark_step = sync
 
 _compile.enable_persistent_cache()
+# module.to(torchacc.device()) swaps parameters in place (torch's future default) instead of making
+# new Parameter objects: tied weights stay tied and optimizers built before .to() keep working.
+import torch as _torch  # noqa: E402
+
+_torch.__future__.set_swap_module_params_on_conversion(True)
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
 __all__ = [
