@@ -326,7 +326,27 @@ def compile_spmd(program, args, donate):
     )
     avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=rep) for a in args]
     exe = jax.jit(spmd, donate_argnums=donate).lower(*avals).compile()
+    _align_after_compile()
     return SpmdExecutable(exe, rep)
+
+
+_compiles = [0]
+
+
+def _align_after_compile():
+    """Wait for every rank to finish compiling before the first run of a new SPMD program.
+
+    Compile times differ between ranks (a loaded host, a cold cache), while the gloo/NCCL
+    transport gives the first collective only ~30 s to find its peers; a barrier on the
+    coordination service (generous timeout, TORCHACC_COMPILE_BARRIER_TIMEOUT seconds) lines
+    the ranks up first.
+    """
+    client = _jax_distributed_client()
+    if client is None:
+        return
+    _compiles[0] += 1
+    timeout_s = _env_int("TORCHACC_COMPILE_BARRIER_TIMEOUT", 1800)
+    client.wait_at_barrier(f"torchacc/compiled/{_compiles[0]}", timeout_s * 1000)
 
 
 try:  # the direct constructor is ~5x cheaper than make_array_from_single_device_arrays
