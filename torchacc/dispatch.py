@@ -352,8 +352,17 @@ def _is_view_op(func):
     return info is not None and not info.is_write and not args[0].alias_info.is_write
 
 
+_FULL_ALIASES = frozenset(
+    (aten.detach.default, aten.alias.default, aten.lift_fresh.default))
+
+
 def _view_handler(func, args, kwargs):
     base = args[0]
+    if func in _FULL_ALIASES:
+        # same storage, same view, same metadata: share the base's chain, record nothing. This
+        # keeps parameters (Parameter(t) is t.detach()) plain bases, so optimizer writes to them
+        # need no view bookkeeping.
+        return make(base._st, base._desc, base._view, base._vcache)
     vals, meta = record_values(func, args, kwargs)
     st = base._st
     chain = base._view or ()
@@ -449,7 +458,20 @@ def _make_mutation_handler(func):
     def get_arg(args, kwargs, i):
         return args[i] if i < len(args) else kwargs.get(schema_args[i].name)
 
-    if mode == "inplace":
+    if mode == "inplace" and lookup(functional) is not None:
+
+        def handler(_, args, kwargs):  # hot path (optimizers): no throwaway result tensor
+            try:
+                vals, _meta = record_values(functional, args, kwargs)
+            except NeedsFallback:
+                return _fallback_handler(func, args, kwargs)
+            target = args[0]
+            if vals[0].desc[0] != target._desc[0]:
+                _write_back(target, wrap(vals, _meta), func)  # raises the resize error
+            assign(target, vals[0])
+            return target
+
+    elif mode == "inplace":
 
         def handler(_, args, kwargs):
             result = fhandler(functional, args, kwargs)
