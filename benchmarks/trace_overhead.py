@@ -35,13 +35,19 @@ import torchacc  # noqa: E402
 class ResNetLike(nn.Module):
     def __init__(self, width=8, classes=10):
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, width, 3, padding=1, bias=False),
-                                  nn.BatchNorm2d(width), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, width, 3, padding=1, bias=False), nn.BatchNorm2d(width), nn.ReLU()
+        )
         self.blocks = nn.ModuleList(
-            nn.Sequential(nn.Conv2d(width, width, 3, padding=1, bias=False), nn.BatchNorm2d(width),
-                          nn.ReLU(), nn.Conv2d(width, width, 3, padding=1, bias=False),
-                          nn.BatchNorm2d(width))
-            for _ in range(4))
+            nn.Sequential(
+                nn.Conv2d(width, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+                nn.ReLU(),
+                nn.Conv2d(width, width, 3, padding=1, bias=False),
+                nn.BatchNorm2d(width),
+            )
+            for _ in range(4)
+        )
         self.head = nn.Linear(width, classes)
 
     def forward(self, x):
@@ -138,8 +144,14 @@ def measure(name, steps, repeats):
             torchacc.sync(wait=True)
         traced_t.append(total / steps)
     e, t = statistics.median(eager_t), statistics.median(traced_t)
-    return {"model": name, "ops_per_step": counter.n, "eager_step_ms": e * 1e3,
-            "traced_step_ms": t * 1e3, "us_per_op": t / counter.n * 1e6, "ratio": t / e}
+    return {
+        "model": name,
+        "ops_per_step": counter.n,
+        "eager_step_ms": e * 1e3,
+        "traced_step_ms": t * 1e3,
+        "us_per_op": t / counter.n * 1e6,
+        "ratio": t / e,
+    }
 
 
 def main():
@@ -154,8 +166,10 @@ def main():
     print("| model | ATen ops/step | eager CPU step (ms) | traced host step (ms) | us/op | ratio |")
     print("|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['model']} | {r['ops_per_step']} | {r['eager_step_ms']:.2f} | "
-              f"{r['traced_step_ms']:.2f} | {r['us_per_op']:.1f} | {r['ratio']:.2f} |")
+        print(
+            f"| {r['model']} | {r['ops_per_step']} | {r['eager_step_ms']:.2f} | "
+            f"{r['traced_step_ms']:.2f} | {r['us_per_op']:.1f} | {r['ratio']:.2f} |"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -1,6 +1,6 @@
 """Check one lowering rule against the eager PyTorch op on CPU.
 
-``check_rule(op, *args, **kwargs)`` runs ``op`` eagerly on CPU tensors, then runs the registered rule
+``check_rule(op, *args, **kwargs)`` runs ``op`` eagerly on CPU tensors, then the registered rule
 under ``jax.jit`` following the calling convention of torchacc/lowering/registry.py (tensors as jax
 arrays, Scalar/float arguments as traced 0-d arrays unless the rule keeps them static), casts to the
 meta dtype like the core does, and compares every output.

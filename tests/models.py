@@ -8,8 +8,13 @@ import torch.nn.functional as F
 class MLP(nn.Module):
     def __init__(self, d_in=8, hidden=16, d_out=4):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.GELU(), nn.Linear(hidden, hidden),
-                                 nn.Tanh(), nn.Linear(hidden, d_out))
+        self.net = nn.Sequential(
+            nn.Linear(d_in, hidden),
+            nn.GELU(),
+            nn.Linear(hidden, hidden),
+            nn.Tanh(),
+            nn.Linear(hidden, d_out),
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -62,11 +67,16 @@ class TinyGPT(nn.Module):
         self.pos = nn.Embedding(seq, d)
         self.blocks = nn.ModuleList()
         for _ in range(layers):
-            self.blocks.append(nn.ModuleDict({
-                "ln1": nn.LayerNorm(d), "attn": Attention(d, heads, sdpa),
-                "ln2": nn.LayerNorm(d),
-                "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)),
-            }))
+            self.blocks.append(
+                nn.ModuleDict(
+                    {
+                        "ln1": nn.LayerNorm(d),
+                        "attn": Attention(d, heads, sdpa),
+                        "ln2": nn.LayerNorm(d),
+                        "mlp": nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d)),
+                    }
+                )
+            )
         self.ln = nn.LayerNorm(d)
         self.head = nn.Linear(d, vocab, bias=False)
 

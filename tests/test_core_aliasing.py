@@ -142,8 +142,11 @@ def _t_data_inplace(x, y):
     return x
 
 
-CASES = [v for k, v in sorted(globals().items()) if k.startswith("_") and callable(v)
-         and k not in ("_run",)]
+CASES = [
+    v
+    for k, v in sorted(globals().items())
+    if k.startswith("_") and callable(v) and k not in ("_run",)
+]
 
 
 def _run(fn, device):

@@ -100,10 +100,13 @@ def test_scalar_values_do_not_recompile():
     for lr in (0.1, 0.01, 0.001, 0.5):
         x.add_(x * lr, alpha=-lr)
         torchacc.sync()
-    assert metrics.counter_value("UncachedCompile") in (None, 1) or \
-        metrics.counter_value("PersistentCacheHit") is not None
-    compiles = (metrics.counter_value("UncachedCompile") or 0) + \
-        (metrics.counter_value("PersistentCacheHit") or 0)
+    assert (
+        metrics.counter_value("UncachedCompile") in (None, 1)
+        or metrics.counter_value("PersistentCacheHit") is not None
+    )
+    compiles = (metrics.counter_value("UncachedCompile") or 0) + (
+        metrics.counter_value("PersistentCacheHit") or 0
+    )
     assert compiles == 1
     assert metrics.counter_value("CachedCompile") == 3
     want = torch.ones(4)
@@ -201,15 +204,20 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run_script(env, script=_SCRIPT):
-    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
-                         timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     return out
 
 
 def test_persistent_cache_survives_restart(tmp_path):
-    env = dict(os.environ, TORCHACC_CACHE_DIR=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
-               PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(
+        os.environ,
+        TORCHACC_CACHE_DIR=str(tmp_path / "cache"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(sys.path),
+    )
     first = _run_script(env).stdout.split("RESULT")[1].split()
     second = _run_script(env).stdout.split("RESULT")[1].split()
     assert first[-2] != "None" and first[-1] == "None"  # compiled, no hit
@@ -217,8 +225,13 @@ def test_persistent_cache_survives_restart(tmp_path):
 
 
 def test_debug_explains_recompiles(tmp_path):
-    env = dict(os.environ, TORCHACC_DEBUG="1", TORCHACC_CACHE_DIR=str(tmp_path / "c"),
-               JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    env = dict(
+        os.environ,
+        TORCHACC_DEBUG="1",
+        TORCHACC_CACHE_DIR=str(tmp_path / "c"),
+        JAX_PLATFORMS="cpu",
+        PYTHONPATH=os.pathsep.join(sys.path),
+    )
     script = textwrap.dedent("""
         import torch, torchacc
         for n in (4, 4, 5):

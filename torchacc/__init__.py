@@ -29,6 +29,13 @@ _torch.__future__.set_swap_module_params_on_conversion(True)
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
 __all__ = [
-    "LazyTensor", "device", "device_hw", "jax_device", "mark_step", "metrics", "platform", "sync",
+    "LazyTensor",
+    "device",
+    "device_hw",
+    "jax_device",
+    "mark_step",
+    "metrics",
+    "platform",
+    "sync",
     "wait_device_ops",
 ]

@@ -17,7 +17,6 @@ import time
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from torchacc import metrics
 from torchacc.distributed import runtime as _spmd  # Note [Multi-process programs]
@@ -35,8 +34,11 @@ def _on_event(event, **kwargs):
 
 def enable_persistent_cache(path=None):
     """Keep compiled programs under ``path`` (TORCHACC_CACHE_DIR, default ~/.cache/torchacc)."""
-    path = path or os.environ.get("TORCHACC_CACHE_DIR") or os.path.join(
-        os.path.expanduser("~"), ".cache", "torchacc")
+    path = (
+        path
+        or os.environ.get("TORCHACC_CACHE_DIR")
+        or os.path.join(os.path.expanduser("~"), ".cache", "torchacc")
+    )
     if path.lower() in ("0", "off", "none"):
         return None
     os.makedirs(path, exist_ok=True)
@@ -129,7 +131,7 @@ def _fill(t, env, scalars):
 
 def _program(graph):
     """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules."""
-    n_in = len(graph.inputs)
+
     ids = {id(v): i for i, v in enumerate(graph.inputs)}
     steps = []
     fpos = ipos = 0
@@ -150,8 +152,18 @@ def _program(graph):
             ids[id(out)] = len(ids)
             out_ids.append(ids[id(out)])
         kinds = _scalar_kinds(node)
-        steps.append((node.rule, node.args, node.kwargs, [ids[id(v)] for v in node.inputs],
-                      slots, kinds, out_ids, [None if o is None else o.desc for o in node.outs]))
+        steps.append(
+            (
+                node.rule,
+                node.args,
+                node.kwargs,
+                [ids[id(v)] for v in node.inputs],
+                slots,
+                kinds,
+                out_ids,
+                [None if o is None else o.desc for o in node.outs],
+            )
+        )
     out_ids = [ids[id(v)] for v in graph.outputs]
 
     def program(floats, ints, *arrays):
@@ -175,18 +187,24 @@ def _program(graph):
             result = rule.fn(*_fill(args, ins, sc), **_fill(kwargs, ins, sc), **extra)
             results = list(result) if isinstance(result, (tuple, list)) else [result]
             if len(results) != n:
-                raise RuntimeError(f"torchacc: lowering of {rule.name} returned {len(results)} "
-                                   f"outputs, PyTorch's op has {n}")
+                raise RuntimeError(
+                    f"torchacc: lowering of {rule.name} returned {len(results)} "
+                    f"outputs, PyTorch's op has {n}"
+                )
             for slot, r, d in zip(outs, results, descs):
                 if slot is None:
                     continue
                 if r is None:
-                    raise RuntimeError(f"torchacc: lowering of {rule.name} returned None for an "
-                                       "output PyTorch's meta kernel produces")
+                    raise RuntimeError(
+                        f"torchacc: lowering of {rule.name} returned None for an "
+                        "output PyTorch's meta kernel produces"
+                    )
                 r = jnp.asarray(r)
                 if r.shape != d[0]:
-                    raise RuntimeError(f"torchacc: lowering of {rule.name} gave shape {r.shape}, "
-                                       f"PyTorch's meta kernel says {d[0]}")
+                    raise RuntimeError(
+                        f"torchacc: lowering of {rule.name} gave shape {r.shape}, "
+                        f"PyTorch's meta kernel says {d[0]}"
+                    )
                 env[slot] = r.astype(jdtype(d[2])) if r.dtype != jdtype(d[2]) else r
             if rule.rng:
                 env[outs[-1]] = jax.random.key_data(key)
@@ -228,8 +246,11 @@ def compiled_for(graph, args):
         metrics.counter_inc("CachedCompile")
         return exe
     if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
-        print(f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
-              f"{explain_miss(graph.key)}", file=sys.stderr)
+        print(
+            f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
+            f"{explain_miss(graph.key)}",
+            file=sys.stderr,
+        )
     start = time.perf_counter()
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
@@ -261,8 +282,10 @@ def explain_miss(key):
         return f"{len(in_avals)} inputs vs {len(o_avals)} in the nearest cached graph"
     for i, (a, b) in enumerate(zip(in_avals, o_avals)):
         if a != b:
-            return (f"input {i} has shape {tuple(a[0])} dtype {a[1]}; nearest cached graph had "
-                    f"shape {tuple(b[0])} dtype {b[1]}")
+            return (
+                f"input {i} has shape {tuple(a[0])} dtype {a[1]}; nearest cached graph had "
+                f"shape {tuple(b[0])} dtype {b[1]}"
+            )
     for i, (a, b) in enumerate(zip(parts[::2], o_parts[::2])):
         if a != b:
             if a[0] != b[0]:

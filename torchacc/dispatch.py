@@ -105,7 +105,9 @@ def _compute_meta(func, args, kwargs):
         return Meta((), "none")
     if isinstance(out, torch.Tensor):
         return Meta((desc_of(out),), "one")
-    if isinstance(out, (tuple, list)) and all(o is None or isinstance(o, torch.Tensor) for o in out):
+    if isinstance(out, (tuple, list)) and all(
+        o is None or isinstance(o, torch.Tensor) for o in out
+    ):
         # backward ops with an output_mask return None in the masked positions
         descs = tuple(None if o is None else desc_of(o) for o in out)
         return Meta(descs, "tuple" if isinstance(out, tuple) else "list")
@@ -329,13 +331,29 @@ def _inverse(entry, base, new):
             "refers to a single memory location (in-place write into an expanded view)"
         )
     else:
-        raise RuntimeError(f"torchacc: in-place write through a view made by {func} is not supported")
+        raise RuntimeError(
+            f"torchacc: in-place write through a view made by {func} is not supported"
+        )
     return record_values(scatter, args, {})[0][0]
 
 
 _RESHAPE_VIEWS = frozenset(
-    ("view", "_unsafe_view", "reshape", "unsqueeze", "squeeze", "alias", "detach", "lift_fresh",
-     "view_as", "flatten", "unflatten", "_reshape_alias", "_conj", "_neg_view")
+    (
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "unsqueeze",
+        "squeeze",
+        "alias",
+        "detach",
+        "lift_fresh",
+        "view_as",
+        "flatten",
+        "unflatten",
+        "_reshape_alias",
+        "_conj",
+        "_neg_view",
+    )
 )
 
 
@@ -352,8 +370,7 @@ def _is_view_op(func):
     return info is not None and not info.is_write and not args[0].alias_info.is_write
 
 
-_FULL_ALIASES = frozenset(
-    (aten.detach.default, aten.alias.default, aten.lift_fresh.default))
+_FULL_ALIASES = frozenset((aten.detach.default, aten.alias.default, aten.lift_fresh.default))
 
 
 def _view_handler(func, args, kwargs):
@@ -405,8 +422,11 @@ def _functional_variant(func):
     if special is not None:
         return special, "inplace"
     schema = func._schema
-    out_args = [a for a in schema.arguments if a.kwarg_only and a.alias_info is not None
-                and a.alias_info.is_write]
+    out_args = [
+        a
+        for a in schema.arguments
+        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+    ]
     if out_args:
         fn = _find_out_functional(func, {a.name for a in out_args})
         return fn, "out"
@@ -434,16 +454,22 @@ def _find_out_functional(func, out_names):
         cand = getattr(func.overloadpacket, ov)
         if cand is func:
             continue
-        got = [(a.name, str(a.type)) for a in cand._schema.arguments
-               if not (a.kwarg_only and a.has_default_value() and a.name not in dict(want))]
+        got = [
+            (a.name, str(a.type))
+            for a in cand._schema.arguments
+            if not (a.kwarg_only and a.has_default_value() and a.name not in dict(want))
+        ]
         if got == want:
             return cand
     return None
 
 
 def _mutated_positions(func):
-    return [i for i, a in enumerate(func._schema.arguments)
-            if a.alias_info is not None and a.alias_info.is_write]
+    return [
+        i
+        for i, a in enumerate(func._schema.arguments)
+        if a.alias_info is not None and a.alias_info.is_write
+    ]
 
 
 def _make_mutation_handler(func):
@@ -494,7 +520,7 @@ def _make_mutation_handler(func):
 
         def handler(_, args, kwargs):
             result = fhandler(functional, args, kwargs)
-            for i, r in zip(mutated, result[len(result) - n_mut:]):
+            for i, r in zip(mutated, result[len(result) - n_mut :]):
                 target = get_arg(args, kwargs, i)
                 if target is not None:
                     _write_back(target, r, func)
@@ -571,8 +597,16 @@ def _noop(func, args, kwargs):
 def _native_batch_norm(func, args, kwargs):
     """``native_batch_norm`` updates running stats in place although its schema does not say so:
     record the functional twin and write the new stats back."""
-    names = ("input", "weight", "bias", "running_mean", "running_var", "training", "momentum",
-             "eps")
+    names = (
+        "input",
+        "weight",
+        "bias",
+        "running_mean",
+        "running_var",
+        "training",
+        "momentum",
+        "eps",
+    )
     a = dict(zip(names, args), **kwargs)
     if not a["training"] or a["running_mean"] is None:
         return _guarded(_rule_handler, func)(func, args, kwargs)
@@ -589,7 +623,7 @@ def _fused_sdp_choice(func, args, kwargs):
 
 def _foreach_handler(func):
     """``_foreach_<op>[_]`` -> one ``<op>[_]`` per list element (recorded in the same graph)."""
-    name = func.overloadpacket.__name__[len("_foreach_"):]
+    name = func.overloadpacket.__name__[len("_foreach_") :]
     inplace = name.endswith("_")
     base_name = name[:-1] if inplace else name
     overload = func._overloadname
@@ -599,12 +633,14 @@ def _foreach_handler(func):
     else:
         packet = getattr(aten, base_name + ("_" if inplace else ""))
         target = _foreach_target(packet, overload, schema_args)
-    tensor_list_pos = [i for i, a in enumerate(schema_args) if str(a.type).startswith("List[Tensor")]
+    tensor_list_pos = [
+        i for i, a in enumerate(schema_args) if str(a.type).startswith("List[Tensor")
+    ]
     scalar_list_pos = [i for i, a in enumerate(schema_args) if str(a.type) == "List[number]"]
     target_kw = [a.name for a in target._schema.arguments]
 
     def handler(_, args, kwargs):
-        args = list(args) + [kwargs[a.name] for a in schema_args[len(args):] if a.name in kwargs]
+        args = list(args) + [kwargs[a.name] for a in schema_args[len(args) :] if a.name in kwargs]
         n = len(args[0])
         h = _handler(target)
         results = []
@@ -617,7 +653,9 @@ def _foreach_handler(func):
                     a = a[j]  # a tensor of per-element scalars
                 call.append(a)
             kw = {}
-            if len(call) > len(target_kw) or (base_name in ("addcmul", "addcdiv") and len(call) == 4):
+            if len(call) > len(target_kw) or (
+                base_name in ("addcmul", "addcdiv") and len(call) == 4
+            ):
                 kw = {"value": call.pop()}
             results.append(h(target, tuple(call), kw))
         return None if inplace else results
@@ -627,9 +665,14 @@ def _foreach_handler(func):
 
 def _foreach_target(packet, overload, schema_args):
     ovs = packet.overloads()
-    prefer = {"List": ["Tensor", "default"], "Scalar": ["Scalar", "default"],
-              "ScalarList": ["Scalar", "default"], "Tensor": ["Tensor", "Scalar", "default"],
-              "default": ["default"], "ScalarAndTensor": ["Scalar"]}.get(overload, [overload])
+    prefer = {
+        "List": ["Tensor", "default"],
+        "Scalar": ["Scalar", "default"],
+        "ScalarList": ["Scalar", "default"],
+        "Tensor": ["Tensor", "Scalar", "default"],
+        "default": ["default"],
+        "ScalarAndTensor": ["Scalar"],
+    }.get(overload, [overload])
     for ov in prefer + list(ovs):
         if ov in ovs:
             return getattr(packet, ov)
@@ -790,4 +833,3 @@ def deepcopy(t, memo):
         new = torch.nn.Parameter(new, t.requires_grad)
     memo[id(t)] = new
     return new
-

@@ -6,7 +6,8 @@ pending output ``index`` of a ``Node``. A ``Storage`` is what a tensor's memory 
 it holds the *current* Value of a base tensor and a version that increases on every write. A base
 LazyTensor reads ``storage.value``; a view LazyTensor keeps a chain of view ops from its storage and
 replays it (recording nodes) when the storage's version moved since it last looked. Writing into a
-view records the inverse ops (slice_scatter, select_scatter, ...) back up the chain and installs the
+view records the inverse ops (slice_scatter, select_scatter, ...) back up the chain and installs
+the
 new base Value, so every other view and the base see the write: eager aliasing, functional graph.
 
 When a sync runs a graph, each computed Value gets its array and drops its node, so graphs are freed
@@ -21,7 +22,7 @@ import weakref
 
 
 class Value:
-    """One array of the step. ``desc`` = (shape, stride, dtype, storage_offset) from PyTorch's meta."""
+    """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta."""
 
     __slots__ = ("node", "index", "array", "desc", "__weakref__")
 

@@ -88,8 +88,10 @@ def metrics_report():
         lines.append(f"  TotalSamples: {len(samples)}")
         lines.append(f"  Accumulator: {_fmt_seconds(total)}")
         lines.append(f"  Mean: {_fmt_seconds(total / len(samples))}")
-        lines.append(f"  Percentiles: 50%={_fmt_seconds(samples[len(samples) // 2])}; "
-                     f"max={_fmt_seconds(samples[-1])}")
+        lines.append(
+            f"  Percentiles: 50%={_fmt_seconds(samples[len(samples) // 2])}; "
+            f"max={_fmt_seconds(samples[-1])}"
+        )
     for name in counter_names():
         lines.append(f"Counter: {name}")
         lines.append(f"  Value: {_counters[name]}")
@@ -97,8 +99,13 @@ def metrics_report():
 
 
 def short_metrics_report(counter_names_=None, metric_names_=None):
-    names = counter_names_ or ["MarkStep", "UncachedCompile", "CachedCompile",
-                               "PersistentCacheHit", "TransferFromDevice"]
+    names = counter_names_ or [
+        "MarkStep",
+        "UncachedCompile",
+        "CachedCompile",
+        "PersistentCacheHit",
+        "TransferFromDevice",
+    ]
     mnames = metric_names_ or ["CompileTime", "ExecuteTime", "TraceTime"]
     lines = []
     for name in mnames:

@@ -39,7 +39,7 @@ class LazyTensor(torch.Tensor):
 
     def __repr__(self, *, tensor_contents=None):
         text = repr(self.detach().cpu())
-        body = text[len("tensor("):-1] if text.startswith("tensor(") else text
+        body = text[len("tensor(") : -1] if text.startswith("tensor(") else text
         return f"tensor({body}, device='{self.device}')"
 
     def __reduce_ex__(self, protocol):

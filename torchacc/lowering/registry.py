@@ -16,7 +16,7 @@ op's name at compile time.
 Options:
 - ``static=("name", ...)``: Scalar/float arguments that stay Python values.
 - ``out_meta=True``: the rule gets ``out=[(shape, jnp_dtype), ...]`` as a keyword (factories).
-- ``rng=True``: the rule gets ``rng=<jax PRNG key>`` as a keyword; the core threads device RNG state.
+- ``rng=True``: the rule gets ``rng=<jax PRNG key>`` as a keyword (the core threads RNG state).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ from typing import Callable
 import torch
 
 # Note [Rule calling convention]
-# Rules are plain functions of jax arrays and Python values; they never see LazyTensors, graphs or
-# devices. That keeps each rule testable on its own (tests/lowering compares a rule against the eager
-# PyTorch op on CPU) and lets the compiler replay a recorded graph by calling rules in order inside
-# one jax.jit. Scalars arrive as traced arrays: a rule must not branch in Python on them.
+# Rules are plain functions of jax arrays and Python values; they never see LazyTensors, graphs
+# or devices. That keeps each rule testable on its own (tests/lowering_harness.py compares a rule
+# against the eager PyTorch op on CPU) and lets the compiler replay a recorded graph by calling
+# rules in order inside one jax.jit. Scalars arrive as traced arrays: a rule must not branch in
+# Python on them.
 
 
 @dataclass(frozen=True)
