@@ -77,11 +77,27 @@ class Graph:
         self.floats = floats
         self.ints = ints
         out_ids = tuple(ids[id(v)] for v in outputs)
-        self.donate = tuple(
-            i for i, v in enumerate(inputs) if donatable is not None and donatable(v)
-        )
+        self.donate = _donations(inputs, outputs, donatable) if donatable else ()
         in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
         self.key = (in_avals, tuple(parts), out_ids, self.donate)
+
+
+def _donations(inputs, outputs, donatable):
+    """Positions of inputs whose buffers an output of the same shape and dtype can take over.
+
+    Only as many inputs of a given shape/dtype are donated as there are outputs of it: XLA could
+    not use the others (and JAX would warn on every compile)."""
+    free = {}
+    for v in outputs:
+        aval = (v.desc[0], v.desc[2])
+        free[aval] = free.get(aval, 0) + 1
+    donate = []
+    for i, v in enumerate(inputs):
+        aval = (v.desc[0], v.desc[2])
+        if free.get(aval, 0) > 0 and donatable(v):
+            free[aval] -= 1
+            donate.append(i)
+    return tuple(donate)
 
 
 def _collect(outputs):
