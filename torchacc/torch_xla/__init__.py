@@ -3,7 +3,7 @@
 ``import torchacc.torch_xla as torch_xla`` (TorchAcc recipes), or run an unchanged torch_xla script
 with ``python -m torchacc.run_torch_xla script.py`` / ``import torchacc.alias`` so that
 ``import torch_xla...`` resolves here. What is supported, what differs and what is missing:
-docs/api_table.md.
+the README (section "torch_xla / TorchAcc API").
 """
 
 from __future__ import annotations
