@@ -7,7 +7,7 @@ from gallery_harness import ROOT, child_env
 
 # TODO(issue 5): flip to True once --compiler-opt trains (torchacc.torch_xla compat + xla backend):
 # the notebook's "torchacc" cells then run too and the comparison table gets a speedup column.
-RUN_COMPILER_CELLS = False
+RUN_COMPILER_CELLS = True
 
 NOTEBOOK = ROOT / "gallery" / "resnet50" / "resnet50.ipynb"
 
