@@ -80,3 +80,32 @@ def test_tied_weights_stay_tied_and_optimizer_survives_to():
         m(idx.to(dev)).sum().backward()
         o.step()
     torch.testing.assert_close(model[0].weight.cpu(), ref[0].weight.detach())
+
+
+@pytest.mark.parametrize(
+    "make_opt",
+    [
+        lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, weight_decay=0.01),
+        lambda p: torch.optim.Adam(p, lr=0.01, amsgrad=True),
+        lambda p: torch.optim.AdamW(p, lr=0.01),
+        lambda p: torch.optim.RMSprop(p, lr=0.01, momentum=0.5),
+    ],
+    ids=["sgd", "adam_amsgrad", "adamw", "rmsprop"],
+)
+@pytest.mark.parametrize("foreach", [False, True])
+def test_optimizers_foreach_and_loop_match_eager(make_opt, foreach):
+    torch.manual_seed(0)
+    ref = MLP()
+    model = copy.deepcopy(ref).to(torchacc.device())
+    ropt, opt = make_opt(ref.parameters()), make_opt(model.parameters())
+    for group in opt.param_groups:
+        group["foreach"] = foreach
+    for step in range(3):
+        x, y = _data("mlp", step)
+        for m, o, dev in ((model, opt, torchacc.device()), (ref, ropt, torch.device("cpu"))):
+            F.cross_entropy(m(x.to(dev)), y.to(dev)).backward()
+            o.step()
+            o.zero_grad()
+        torchacc.sync()
+    for p, q in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.cpu(), q.detach(), rtol=1e-4, atol=1e-5)

@@ -631,33 +631,47 @@ def _foreach_handler(func):
     if base_name == "norm":
         target = aten.linalg_vector_norm.default
     else:
-        packet = getattr(aten, base_name + ("_" if inplace else ""))
+        packet = getattr(aten, base_name + ("_" if inplace else ""), None)
+        if packet is None:  # no in-place twin (maximum_): run the functional op and write back
+            packet = getattr(aten, base_name)
         target = _foreach_target(packet, overload, schema_args)
-    tensor_list_pos = [
-        i for i, a in enumerate(schema_args) if str(a.type).startswith("List[Tensor")
+    write_back = inplace and not target.overloadpacket.__name__.endswith("_")
+    per_element = [
+        str(a.type).startswith("List[Tensor") or str(a.type) == "List[number]" for a in schema_args
     ]
-    scalar_list_pos = [i for i, a in enumerate(schema_args) if str(a.type) == "List[number]"]
-    target_kw = [a.name for a in target._schema.arguments]
+    names = [a.name for a in schema_args]
+    target_pos = [a.name for a in target._schema.arguments if not a.kwarg_only]
+    target_kw = [a.name for a in target._schema.arguments if a.kwarg_only]
+
+    def split(j, given):
+        """The j-th element's call: the target's positional arguments first, then its keyword
+        arguments (by name where names agree, ``alpha``; else in order, ``scalars``->``value``)."""
+        call, kw = [], {}
+        for i, a in given:
+            if per_element[i]:
+                a = a[j]
+            elif isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
+                a = a[j]  # a tensor of per-element scalars
+            if names[i] in target_kw:
+                kw[names[i]] = a
+            elif len(call) < len(target_pos):
+                call.append(a)
+            else:
+                kw[next(n for n in target_kw if n not in kw)] = a
+        return tuple(call), kw
 
     def handler(_, args, kwargs):
-        args = list(args) + [kwargs[a.name] for a in schema_args[len(args) :] if a.name in kwargs]
-        n = len(args[0])
+        given = list(enumerate(args)) + [
+            (i, kwargs[n]) for i, n in enumerate(names) if i >= len(args) and n in kwargs
+        ]
         h = _handler(target)
         results = []
-        for j in range(n):
-            call = []
-            for i, a in enumerate(args):
-                if i in tensor_list_pos or i in scalar_list_pos:
-                    a = a[j]
-                elif isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
-                    a = a[j]  # a tensor of per-element scalars
-                call.append(a)
-            kw = {}
-            if len(call) > len(target_kw) or (
-                base_name in ("addcmul", "addcdiv") and len(call) == 4
-            ):
-                kw = {"value": call.pop()}
-            results.append(h(target, tuple(call), kw))
+        for j in range(len(args[0])):
+            call, kw = split(j, given)
+            result = h(target, call, kw)
+            if write_back:
+                _write_back(args[0][j], result, func)
+            results.append(result)
         return None if inplace else results
 
     return handler

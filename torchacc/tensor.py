@@ -68,6 +68,21 @@ def _data_set(self, new):
 LazyTensor.data = property(_data_get, _data_set)
 
 
+# torch.optim picks its foreach implementation only for exact Tensor/Parameter types; listing ours
+# lets AdamW & co. issue one _foreach_* call per group instead of one dispatch per parameter.
+def _allow_foreach():
+    import torch.optim.optimizer as optimizer_module
+    from torch.utils import _foreach_utils
+
+    for module in (optimizer_module, _foreach_utils):
+        supported = getattr(module, "_foreach_supported_types", None)
+        if isinstance(supported, list) and LazyTensor not in supported:
+            supported.append(LazyTensor)  # (private API: if it moves, the per-parameter path runs)
+
+
+_allow_foreach()
+
+
 def make(storage, desc, view=None, vcache=None):
     """A new LazyTensor over ``storage`` (a view when ``view`` is a chain)."""
     shape, stride, dtype, offset = desc
