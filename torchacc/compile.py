@@ -315,4 +315,5 @@ def explain_miss(key):
 
 
 def cache_size():
+    """Number of executables in the in-memory cache."""
     return len(_cache)

@@ -266,16 +266,20 @@ def record_values(func, args, kwargs):
     return outs, meta
 
 
+def _pack(items, kind):
+    """Outputs in the structure the op returns (Meta.kind)."""
+    if kind == "one":
+        return items[0]
+    if kind == "tuple":
+        return tuple(items)
+    if kind == "list":
+        return items
+    return None
+
+
 def wrap(values, meta):
     ts = [None if v is None else make(new_storage(v, v.desc), v.desc) for v in values]
-    kind = meta.kind
-    if kind == "one":
-        return ts[0]
-    if kind == "tuple":
-        return tuple(ts)
-    if kind == "list":
-        return ts
-    return None
+    return _pack(ts, meta.kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -370,7 +374,7 @@ def _is_view_op(func):
     return info is not None and not info.is_write and not args[0].alias_info.is_write
 
 
-_FULL_ALIASES = frozenset((aten.detach.default, aten.alias.default, aten.lift_fresh.default))
+_FULL_ALIASES = frozenset((aten.detach.default, aten.alias.default))
 
 
 def _view_handler(func, args, kwargs):
@@ -383,25 +387,23 @@ def _view_handler(func, args, kwargs):
     vals, meta = record_values(func, args, kwargs)
     st = base._st
     chain = base._view or ()
-    name = func.overloadpacket.__name__
     rest, version = tuple(args[1:]), st.version
     outs = []
     for i, v in enumerate(vals):
         if meta.kind == "one":
             entry = (func, rest, kwargs, 0, v.desc)
         else:
-            entry = _split_entry(name, args, kwargs, i, vals, v.desc)
+            entry = _split_entry(func, args, kwargs, i, vals, v.desc)
         outs.append(make(st, v.desc, chain + (entry,), (version, v)))
-    if meta.kind == "one":
-        return outs[0]
-    return tuple(outs) if meta.kind == "tuple" else outs
+    return _pack(outs, meta.kind)
 
 
-def _split_entry(name, args, kwargs, i, vals, out_desc):
+def _split_entry(func, args, kwargs, i, vals, out_desc):
     """The i-th output of a multi-output view op as a single slice/select view entry."""
-    dim = kwargs.get("dim", args[2] if len(args) > 2 else 0)
-    if name == "unbind":
-        dim = kwargs.get("dim", args[1] if len(args) > 1 else 0)
+    unbind = func.overloadpacket.__name__ == "unbind"
+    dim_pos = 1 if unbind else 2  # unbind(self, dim) / split*(self, sizes, dim)
+    dim = kwargs.get("dim", args[dim_pos] if len(args) > dim_pos else 0)
+    if unbind:
         return (aten.select.int, (dim, i), {}, 0, out_desc)
     dim = dim % len(args[0].shape)
     start = sum(v.desc[0][dim] for v in vals[:i])
@@ -617,10 +619,6 @@ def _native_batch_norm(func, args, kwargs):
     return out, mean, rstd
 
 
-def _fused_sdp_choice(func, args, kwargs):
-    return 0  # SDPBackend.MATH until an attention lowering is wired
-
-
 def _foreach_handler(func):
     """``_foreach_<op>[_]`` -> one ``<op>[_]`` per list element (recorded in the same graph)."""
     name = func.overloadpacket.__name__[len("_foreach_") :]
@@ -636,6 +634,7 @@ def _foreach_handler(func):
             packet = getattr(aten, base_name)
         target = _foreach_target(packet, overload, schema_args)
     write_back = inplace and not target.overloadpacket.__name__.endswith("_")
+    target_handler = _handler(target)
     per_element = [
         str(a.type).startswith("List[Tensor") or str(a.type) == "List[number]" for a in schema_args
     ]
@@ -664,11 +663,10 @@ def _foreach_handler(func):
         given = list(enumerate(args)) + [
             (i, kwargs[n]) for i, n in enumerate(names) if i >= len(args) and n in kwargs
         ]
-        h = _handler(target)
         results = []
         for j in range(len(args[0])):
             call, kw = split(j, given)
-            result = h(target, call, kw)
+            result = target_handler(target, call, kw)
             if write_back:
                 _write_back(args[0][j], result, func)
             results.append(result)
@@ -702,7 +700,6 @@ _SPECIAL = {
     aten.resolve_conj.default: _identity,
     aten.resolve_neg.default: _identity,
     aten.record_stream.default: _noop,
-    aten._fused_sdp_choice.default: _fused_sdp_choice,
     aten.native_batch_norm.default: _native_batch_norm,
 }
 
