@@ -93,6 +93,17 @@ def test_rng_steps_differ_and_runs_reproduce():
     assert set(a1.unique().tolist()) <= {0.0, 2.0}
 
 
+@pytest.mark.parametrize("seed", [2**64 - 1, 2**63, 2**63 - 1, -5])
+def test_rng_takes_every_torch_seed(seed):
+    # torch's default seed (no manual_seed) is a random unsigned 64-bit number
+    torch.manual_seed(seed)
+    first = torch.rand(8, device=DEV).cpu()
+    torch.manual_seed(seed)
+    assert first.equal(torch.rand(8, device=DEV).cpu())
+    torch.manual_seed(7)
+    assert not first.equal(torch.rand(8, device=DEV).cpu())
+
+
 def test_scalar_values_do_not_recompile():
     x = torch.ones(4).to(DEV)
     torchacc.sync()

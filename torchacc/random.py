@@ -22,7 +22,11 @@ def _key_data(seed):
     from torchacc.device import platform
 
     platform()  # first JAX use may be here (torch.manual_seed): join a torchrun job before it
-    return np.asarray(jax.random.key_data(jax.random.key(seed & 0xFFFFFFFFFFFFFFFF)))
+    # torch seeds are unsigned 64-bit (the default one often exceeds 2**63); JAX takes int64
+    seed &= 0xFFFFFFFFFFFFFFFF
+    if seed >= 1 << 63:
+        seed -= 1 << 64
+    return np.asarray(jax.random.key_data(jax.random.key(seed)))
 
 
 def manual_seed(seed):
