@@ -257,3 +257,53 @@ def test_debug_explains_recompiles(tmp_path):
     assert "first graph" in lines[0]
     assert "input 0 has shape (5,)" in lines[1] and "(4,)" in lines[1]
     assert "aten.sub" in lines[2]
+
+
+def test_step_graph_is_freed_by_reference_counting():
+    """Values point at nodes, never back: a step's graph needs no cycle collector."""
+    import gc
+
+    from torchacc.graph import Node, Value
+
+    def count():
+        return sum(type(o) in (Node, Value) for o in gc.get_objects())
+
+    w = torch.randn(8, 8).to(DEV).requires_grad_()
+    torchacc.sync(wait=True)
+    gc.collect()
+    gc.disable()
+    try:
+        before = count()
+        for _ in range(3):
+            loss = torch.tanh(w @ w).sum()
+            loss.backward()
+            with torch.no_grad():
+                w.sub_(0.1 * w.grad)
+            w.grad = None
+            torchacc.sync()
+        del loss
+        assert count() <= before + 2  # w's and the RNG's current Values may have moved
+    finally:
+        gc.enable()
+
+
+_GC_SCRIPT = textwrap.dedent("""
+    import gc, torch, torchacc
+    w = torch.ones(4).to(torchacc.device())
+    for step in range(3):
+        w.add_(1.0)
+        torchacc.sync()
+        print("FROZEN", step, gc.get_freeze_count() > 0)
+""")
+
+
+@pytest.mark.parametrize("setting", ["", "0"])
+def test_gc_freeze_after_first_cached_step(setting):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(sys.path))
+    env.pop("TORCHACC_GC_FREEZE", None)
+    if setting:
+        env["TORCHACC_GC_FREEZE"] = setting
+    lines = [ln for ln in _run_script(env, _GC_SCRIPT).stdout.splitlines() if "FROZEN" in ln]
+    frozen = [ln.endswith("True") for ln in lines]
+    # step 0 compiles, step 1 reuses the executable: freeze then (unless turned off)
+    assert frozen == ([False, True, True] if not setting else [False, False, False])

@@ -112,8 +112,9 @@ def test_graph_order_is_creation_order():
     from torchacc.graph import live_storages
 
     ts = [dev(torch.full((2,), float(k))) for k in range(50)]
-    seqs = [st.seq for st in live_storages()]
-    assert seqs == sorted(seqs)
+    del ts[::3]  # dead storages in between
+    junk = [t + 1 for t in ts for _ in range(100)]  # more than the registry keeps before pruning
+    del junk
     mine = {id(t._st) for t in ts}
     ordered = [st for st in live_storages() if id(st) in mine]
     assert [id(st) for st in ordered] == [id(t._st) for t in ts]

@@ -25,6 +25,7 @@ from torchacc.lowering.dtypes import jdtype
 
 _cache: dict = {}
 _persistent_hits = [0]
+memory_hits = [0]  # executables reused from the in-memory cache (never reset by metrics)
 
 
 def _on_event(event, **kwargs):
@@ -52,23 +53,42 @@ jax.monitoring.register_event_listener(_on_event)
 
 
 class Graph:
-    """The nodes needed to compute ``outputs``, in topological order, and their inputs."""
+    """The nodes needed to compute ``outputs``, in topological order, and their inputs.
 
-    __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate")
+    Slots number the program's arrays: inputs first, then each node's outputs from
+    ``out_base[k]`` on (one slot per output desc of its OpEntry)."""
+
+    __slots__ = (
+        "order",
+        "inputs",
+        "outputs",
+        "key",
+        "floats",
+        "ints",
+        "donate",
+        "in_slots",
+        "out_base",
+        "out_slots",
+        "nslots",
+    )
 
     def __init__(self, outputs, donatable=None):
         order, inputs = _collect(outputs)
-        ids = {}
-        for v in inputs:
-            ids[id(v)] = len(ids)
-        parts = []
+        slot = {id(v): i for i, v in enumerate(inputs)}  # input Value or node -> (first) slot
+        nslots = len(inputs)
+        parts, in_slots, out_base = [], [], []
         floats, ints = [], []
         for node in order:
-            parts.append(node.key)
-            parts.append(tuple(ids[id(v)] for v in node.inputs))
-            for out in node.outs:
-                if out is not None:
-                    ids[id(out)] = len(ids)
+            op = node.op
+            ins = tuple(
+                slot[id(v)] if v.node is None else slot[id(v.node)] + v.index for v in node.inputs
+            )
+            parts.append(op.key)
+            parts.append(ins)
+            in_slots.append(ins)
+            out_base.append(nslots)
+            slot[id(node)] = nslots
+            nslots += len(op.descs)
             for s in node.scalars:
                 (ints if type(s) is int or type(s) is bool else floats).append(s)
         self.order = order
@@ -76,10 +96,13 @@ class Graph:
         self.outputs = outputs
         self.floats = floats
         self.ints = ints
-        out_ids = tuple(ids[id(v)] for v in outputs)
+        self.in_slots = in_slots
+        self.out_base = out_base
+        self.nslots = nslots
+        self.out_slots = out_slots = tuple(slot[id(v.node)] + v.index for v in outputs)
         self.donate = _donations(inputs, outputs, donatable) if donatable else ()
         in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
-        self.key = (in_avals, tuple(parts), out_ids, self.donate)
+        self.key = (in_avals, tuple(parts), out_slots, self.donate)
 
 
 def _donations(inputs, outputs, donatable):
@@ -148,10 +171,10 @@ def _fill(t, env, scalars):
 def _program(graph):
     """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules."""
 
-    ids = {id(v): i for i, v in enumerate(graph.inputs)}
     steps = []
     fpos = ipos = 0
-    for node in graph.order:
+    for node, in_ids, base in zip(graph.order, graph.in_slots, graph.out_base):
+        op = node.op
         slots = []
         for s in node.scalars:
             if type(s) is int or type(s) is bool:
@@ -160,31 +183,15 @@ def _program(graph):
             else:
                 slots.append(("f", fpos))
                 fpos += 1
-        out_ids = []
-        for out in node.outs:
-            if out is None:
-                out_ids.append(None)
-                continue
-            ids[id(out)] = len(ids)
-            out_ids.append(ids[id(out)])
+        out_ids = [None if d is None else base + j for j, d in enumerate(op.descs)]
         kinds = _scalar_kinds(node)
-        steps.append(
-            (
-                node.rule,
-                node.args,
-                node.kwargs,
-                [ids[id(v)] for v in node.inputs],
-                slots,
-                kinds,
-                out_ids,
-                [None if o is None else o.desc for o in node.outs],
-            )
-        )
-    out_ids = [ids[id(v)] for v in graph.outputs]
+        steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs))
+    out_ids = list(graph.out_slots)
+    nslots = graph.nslots
 
     def program(floats, ints, *arrays):
         env = list(arrays)
-        env.extend([None] * (len(ids) - len(env)))
+        env.extend([None] * (nslots - len(env)))
         for rule, args, kwargs, in_ids, slots, kinds, outs, descs in steps:
             ins = [env[i] for i in in_ids]
             sc = []
@@ -232,7 +239,7 @@ def _program(graph):
 def _scalar_kinds(node):
     """Per runtime scalar: the dtype a CPU 0-dim tensor had, else None (keep float64/int64)."""
     kinds = []
-    for part in node.key:
+    for part in node.op.key:
         if type(part) is tuple and len(part) == 2 and part[0] == "cpu0":
             kinds.append(jdtype(part[1]))
         elif type(part) is tuple and len(part) == 2 and part[0] == "wrapped":
@@ -260,6 +267,7 @@ def compiled_for(graph, args):
     exe = _cache.get(graph.key)
     if exe is not None:
         metrics.counter_inc("CachedCompile")
+        memory_hits[0] += 1
         return exe
     if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
         print(

@@ -17,7 +17,7 @@ import torch
 from torch._decomp import decomposition_table
 
 from torchacc import metrics, tensor
-from torchacc.graph import Node, ScalarSlot, Storage, TensorSlot, Value
+from torchacc.graph import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value
 from torchacc.lowering import lookup
 from torchacc.lowering.registry import scalar_arguments
 from torchacc.tensor import LazyTensor, make
@@ -80,9 +80,6 @@ class Meta:
         self.kind = kind  # "one", "tuple", "list", "none"
 
 
-_meta_cache: dict = {}
-
-
 class NeedsFallback(Exception):
     """The op cannot be recorded (no meta kernel, data-dependent output shape)."""
 
@@ -141,44 +138,72 @@ def _replay(st, chain):
     return val
 
 
-def new_storage(value, desc):
-    return Storage(value, desc)
-
-
 _CPU_INDEX_OPS = {"index", "_unsafe_index", "index_put", "_unsafe_index_put", "index_put_"}
 
 
+# Note [Recording an op]
+# The hot path of tracing. ``record_values`` walks the arguments once, collecting the runtime
+# parts (input Values, lifted scalars) and a flat structural signature; the signature finds the
+# op's OpEntry (output descs from meta, argument templates), computed once per signature. A
+# LazyTensor argument -- nearly every argument -- is handled inline; everything else goes through
+# ``_scan``, whose decisions ``_template`` mirrors to build the entry's templates on a miss.
+
+
 def _scan(a, lift, inputs, scalars, sig, func):
+    """Append the runtime parts and the signature of argument ``a``."""
     tp = type(a)
     if tp is LazyTensor:
         inputs.append(value_of(a))
         sig.append(a._desc)
-        return TensorSlot(len(inputs) - 1)
-    if tp is float or (tp is int and lift):
+    elif tp is float or (tp is int and lift):
         if lift:
             scalars.append(a)
             sig.append(tp if lift == 1 else ("wrapped", tp))
-            return ScalarSlot(len(scalars) - 1)
+        else:
+            sig.append(a)
+    elif tp is list or tp is tuple:
+        if a and not isinstance(a[0], (int, float, bool)):
+            for x in a:
+                _scan(x, lift, inputs, scalars, sig, func)
+            sig.append(len(a))
+        elif lift:
+            for x in a:
+                _scan(x, True, inputs, scalars, sig, func)
+            sig.append(len(a))
+        else:
+            sig.append(tuple(a))
+    elif tp is VRef:
+        inputs.append(a.value)
+        sig.append(a.desc)
+    elif isinstance(a, torch.Tensor):
+        _scan_foreign_tensor(a, inputs, scalars, sig, func)
+    else:
         sig.append(a)
+
+
+def _template(a, lift, count):
+    """Argument ``a`` with TensorSlot/ScalarSlot where ``_scan`` took a runtime part."""
+    tp = type(a)
+    if tp is LazyTensor or tp is VRef:
+        count[0] += 1
+        return TensorSlot(count[0] - 1)
+    if tp is float or (tp is int and lift):
+        if lift:
+            count[1] += 1
+            return ScalarSlot(count[1] - 1)
         return a
     if tp is list or tp is tuple:
         if a and not isinstance(a[0], (int, float, bool)):
-            items = [_scan(x, lift, inputs, scalars, sig, func) for x in a]
-            sig.append(len(a))
-            return items
+            return [_template(x, lift, count) for x in a]
         if lift:
-            items = [_scan(x, True, inputs, scalars, sig, func) for x in a]
-            sig.append(len(a))
-            return items
-        sig.append(tuple(a))
-        return a
-    if tp is VRef:
-        inputs.append(a.value)
-        sig.append(a.desc)
-        return TensorSlot(len(inputs) - 1)
-    if isinstance(a, torch.Tensor):
-        return _scan_foreign_tensor(a, inputs, scalars, sig, func)
-    sig.append(a)
+            return [_template(x, True, count) for x in a]
+        return list(a) if tp is list else a  # a copy: the caller may reuse its list
+    if isinstance(a, torch.Tensor):  # a foreign tensor _scan accepted
+        if a.dim() == 0:
+            count[1] += 1
+            return ScalarSlot(count[1] - 1)
+        count[0] += 1
+        return TensorSlot(count[0] - 1)
     return a
 
 
@@ -189,12 +214,12 @@ def _scan_foreign_tensor(a, inputs, scalars, sig, func):
         # a CPU scalar tensor: its value becomes a runtime scalar of its dtype
         scalars.append(a.item())
         sig.append(("cpu0", a.dtype))
-        return ScalarSlot(len(scalars) - 1)
+        return
     if func.overloadpacket.__name__ in _CPU_INDEX_OPS:
         t = to_device(a)
         inputs.append(value_of(t))
         sig.append(t._desc)
-        return TensorSlot(len(inputs) - 1)
+        return
     raise RuntimeError(
         f"torchacc: {func} got a {a.device} tensor of shape {tuple(a.shape)} next to torchacc "
         "tensors; expected all tensors to be on the same device (move it with .to(device))"
@@ -223,6 +248,7 @@ class OpSpec:
 
 
 _specs: dict = {}
+_entries: dict = {}  # structural signature -> OpEntry
 
 
 def _spec(func):
@@ -232,8 +258,26 @@ def _spec(func):
     return spec
 
 
+def _new_entry(spec, key, args, kwargs):
+    meta = _compute_meta(spec.func, args, kwargs)
+    count = [0, 0]
+    lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
+    targs = [_template(a, lift_pos.get(i, 0), count) for i, a in enumerate(args)]
+    tkwargs = {k: _template(v, lift_kw.get(k, 0), count) for k, v in kwargs.items()}
+    descs = meta.descs + ((_random().KEY_DESC,) if spec.rule.rng else ())
+    return OpEntry(spec.rule, key, targs, tkwargs, descs, meta.kind)
+
+
+def _random():
+    from torchacc import random
+
+    return random
+
+
 def record_values(func, args, kwargs):
-    """Record ``func`` as a node; returns (list of output Values, Meta)."""
+    """Record ``func`` as a node; returns (list of output Values, its OpEntry).
+
+    Note [Recording an op]."""
     spec = _specs.get(func) or _spec(func)
     rule = spec.rule
     if rule is None:
@@ -241,29 +285,35 @@ def record_values(func, args, kwargs):
     inputs, scalars = [], []
     sig = [func]
     lift_pos = spec.lift_pos
-    targs = [_scan(a, lift_pos.get(i, 0), inputs, scalars, sig, func) for i, a in enumerate(args)]
+    i = 0
+    for a in args:
+        if type(a) is LazyTensor:
+            inputs.append(a._st.value if a._view is None else value_of(a))
+            sig.append(a._desc)
+        else:
+            _scan(a, lift_pos.get(i, 0), inputs, scalars, sig, func)
+        i += 1
     if kwargs:
         lift_kw = spec.lift_kw
-        tkwargs = {}
         for k, v in kwargs.items():
             sig.append(k)
-            tkwargs[k] = _scan(v, lift_kw.get(k, 0), inputs, scalars, sig, func)
-    else:
-        tkwargs = kwargs
+            _scan(v, lift_kw.get(k, 0), inputs, scalars, sig, func)
     key = tuple(sig)
-    meta = _meta_cache.get(key)
-    if meta is None:
-        meta = _meta_cache[key] = _compute_meta(func, args, kwargs)
+    op = _entries.get(key)
+    if op is None:
+        op = _entries[key] = _new_entry(spec, key, args, kwargs)
     if rule.rng:
-        from torchacc import random
-
+        random = _random()
         inputs.append(random.state_value())
-    node = Node(rule, key, inputs, targs, tkwargs, scalars)
-    outs = [None if d is None else Value(d, node, i) for i, d in enumerate(meta.descs)]
-    node.outs = list(outs)
-    if rule.rng:
-        random.advance(node, len(outs))
-    return outs, meta
+        node = Node(op, inputs, scalars)
+        descs = op.descs[:-1]
+        random.advance(node, len(descs))
+    else:
+        node = Node(op, inputs, scalars)
+        descs = op.descs
+    if len(descs) == 1:
+        return [Value(descs[0], node, 0)], op
+    return [None if d is None else Value(d, node, i) for i, d in enumerate(descs)], op
 
 
 def _pack(items, kind):
@@ -277,9 +327,13 @@ def _pack(items, kind):
     return None
 
 
-def wrap(values, meta):
-    ts = [None if v is None else make(new_storage(v, v.desc), v.desc) for v in values]
-    return _pack(ts, meta.kind)
+def wrap(values, op):
+    """Fresh base tensors holding ``values``, in the structure ``op`` returns."""
+    if op.kind == "one":
+        v = values[0]
+        return make(Storage(v, v.desc), v.desc)
+    ts = [None if v is None else make(Storage(v, v.desc), v.desc) for v in values]
+    return _pack(ts, op.kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -824,7 +878,7 @@ def to_device(host):
     if type(host) is LazyTensor:
         return host
     val = upload(host.detach().contiguous())
-    return make(new_storage(val, val.desc), val.desc)
+    return make(Storage(val, val.desc), val.desc)
 
 
 def to_cpu(t):

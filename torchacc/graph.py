@@ -7,24 +7,23 @@ it holds the *current* Value of a base tensor and a version that increases on ev
 LazyTensor reads ``storage.value``; a view LazyTensor keeps a chain of view ops from its storage and
 replays it (recording nodes) when the storage's version moved since it last looked. Writing into a
 view records the inverse ops (slice_scatter, select_scatter, ...) back up the chain and installs
-the
-new base Value, so every other view and the base see the write: eager aliasing, functional graph.
+the new base Value, so every other view and the base see the write: eager aliasing, functional
+graph.
 
-When a sync runs a graph, each computed Value gets its array and drops its node, so graphs are freed
-as soon as no pending Value needs them.
+Values point at their Node and Nodes at their input Values, never back: the graph is a DAG, freed
+by reference counting. When a sync runs a graph, each computed Value gets its array and drops its
+node, so graphs are freed as soon as no pending Value needs them.
 """
 
 from __future__ import annotations
 
-import itertools
-import operator
 import weakref
 
 
 class Value:
     """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta."""
 
-    __slots__ = ("node", "index", "array", "desc", "__weakref__")
+    __slots__ = ("node", "index", "array", "desc")
 
     def __init__(self, desc, node=None, index=0, array=None):
         self.node = node
@@ -37,28 +36,45 @@ class Value:
         return self.node is not None
 
     def __repr__(self):
-        state = f"pending {self.node.rule.name}[{self.index}]" if self.node else "data"
+        state = f"pending {self.node.op.rule.name}[{self.index}]" if self.node else "data"
         return f"Value({state}, shape={self.desc[0]}, dtype={self.desc[2]})"
 
 
-class Node:
-    """One recorded op: a rule, its input Values and the static template of its arguments.
+class OpEntry:
+    """What every node with the same structural signature shares (cached by the dispatcher).
 
-    ``key`` is the structural signature (op, argument descriptions, static values, scalar kinds):
-    two nodes with equal keys lower to the same JAX code. ``args``/``kwargs`` are templates in which
-    ``TensorSlot(i)`` stands for ``inputs[i]`` and ``ScalarSlot(i)`` for ``scalars[i]``.
+    ``key`` is the signature (op, argument descriptions, static values, scalar kinds): two nodes
+    with equal keys lower to the same JAX code. ``args``/``kwargs`` are templates in which
+    ``TensorSlot(i)`` stands for the node's ``inputs[i]`` and ``ScalarSlot(i)`` for its
+    ``scalars[i]``. ``descs`` are the output descs (None for an output the op leaves out; a random
+    op has one more, its next RNG key) and ``kind`` how the op returns them.
     """
 
-    __slots__ = ("rule", "key", "inputs", "args", "kwargs", "scalars", "outs")
+    __slots__ = ("rule", "key", "args", "kwargs", "descs", "kind")
 
-    def __init__(self, rule, key, inputs, args, kwargs, scalars):
+    def __init__(self, rule, key, args, kwargs, descs, kind):
         self.rule = rule
         self.key = key
-        self.inputs = inputs
         self.args = args
         self.kwargs = kwargs
+        self.descs = descs
+        self.kind = kind
+
+
+class Node:
+    """One recorded op: its shared OpEntry, input Values and runtime scalars.
+
+    A Node does not point at its outputs: Values point at their node (``value.index`` is the output
+    position), so a step's graph is a DAG that reference counting frees as soon as no tensor needs
+    it (no cycles for the garbage collector to find).
+    """
+
+    __slots__ = ("op", "inputs", "scalars")
+
+    def __init__(self, op, inputs, scalars):
+        self.op = op
+        self.inputs = inputs
         self.scalars = scalars
-        self.outs = None
 
 
 class TensorSlot(int):
@@ -78,30 +94,37 @@ class ScalarSlot(int):
 class Storage:
     """The memory of a base tensor: its current Value, the base's desc and a write counter."""
 
-    __slots__ = ("value", "desc", "version", "seq", "__weakref__")
+    __slots__ = ("value", "desc", "version", "__weakref__")
 
     def __init__(self, value, desc):
         self.value = value
         self.desc = desc
         self.version = 0
-        self.seq = _next_seq()
-        _live.add(self)
+        _refs.append(_ref(self))
+        if len(_refs) > _prune_at[0]:
+            _prune()
 
     def write(self, value):
         self.value = value
         self.version += 1
 
 
-_live = weakref.WeakSet()
-_next_seq = itertools.count().__next__
-_by_seq = operator.attrgetter("seq")
+_ref = weakref.ref
+_refs: list = []  # weak references to every Storage, in creation order
+_prune_at = [4096]
+
+
+def _prune():
+    _refs[:] = [r for r in _refs if r() is not None]
+    _prune_at[0] = max(4096, 2 * len(_refs))
 
 
 def live_storages():
     """Every Storage some tensor (or the RNG) still refers to, oldest first.
 
-    Creation order (not the set's, which follows memory addresses) makes a sync build the same
-    graph -- node order, cache key -- in every run and on every rank of a multi-process job
-    (Note [Multi-process programs] in torchacc/distributed).
+    Creation order (not memory addresses) makes a sync build the same graph -- node order, cache
+    key -- in every run and on every rank of a multi-process job (Note [Multi-process programs] in
+    torchacc/distributed).
     """
-    return sorted(_live, key=_by_seq)
+    _prune()
+    return [st for st in (r() for r in _refs) if st is not None]

@@ -48,6 +48,4 @@ def state_value():
 
 def advance(node, index):
     """Register output ``index`` of random ``node`` as the next key."""
-    value = Value(KEY_DESC, node, index)
-    node.outs.append(value)
-    _storage.write(value)
+    _storage.write(Value(KEY_DESC, node, index))

@@ -306,7 +306,7 @@ def _build_mesh():
 def is_spmd_graph(graph):
     """True when ``graph`` (a compile.Graph) holds a collective and must run as one SPMD program."""
     for node in graph.order:
-        if getattr(node.rule.fn, "torchacc_collective", False):
+        if getattr(node.op.rule.fn, "torchacc_collective", False):
             return True
     return False
 

@@ -60,8 +60,8 @@ def _upload_tree(x):
 
 def _wrap_tree(x):
     from torchacc import metrics
-    from torchacc.dispatch import contiguous_desc, new_storage
-    from torchacc.graph import Value
+    from torchacc.dispatch import contiguous_desc
+    from torchacc.graph import Storage, Value
     from torchacc.tensor import make
 
     if isinstance(x, _Uploaded):
@@ -69,7 +69,7 @@ def _wrap_tree(x):
         value = Value(desc, array=x.array)
         metrics.record_time("TransferToDeviceTime", x.seconds)
         metrics.counter_inc("TransferToDevice")
-        return make(new_storage(value, desc), desc)
+        return make(Storage(value, desc), desc)
     if isinstance(x, dict):
         return type(x)((k, _wrap_tree(v)) for k, v in x.items())
     if isinstance(x, tuple) and hasattr(x, "_fields"):
