@@ -142,6 +142,28 @@ def _t_data_inplace(x, y):
     return x
 
 
+def _foreach_same_tensor_twice(x, y):
+    torch._foreach_add_([x, x], [y, y])  # eager: x += y twice
+    return x
+
+
+def _foreach_reads_a_written_tensor(x, y):
+    a, b = x[0:1], y[1:2]
+    torch._foreach_mul_([a, b], [b, a])  # the second element reads a after the first wrote it
+    return x
+
+
+def _foreach_views_of_one_base(x, y):
+    torch._foreach_addcmul_(list(x.unbind(0)), list(y.unbind(0)), list(y.unbind(0)), value=0.5)
+    return x
+
+
+def _foreach_lerp_scalarlist(x, y):
+    torch._foreach_div_([x, y], [2.0, 4.0])
+    out = torch._foreach_sqrt([x.abs(), y.abs()])
+    return x, y, out[0], out[1]
+
+
 CASES = [
     v
     for k, v in sorted(globals().items())
@@ -213,3 +235,14 @@ def test_batchnorm_running_stats_update():
     torch.testing.assert_close(dbn.running_mean.cpu(), bn.running_mean)
     torch.testing.assert_close(dbn.running_var.cpu(), bn.running_var)
     assert dbn.num_batches_tracked.item() == 1
+
+
+def test_foreach_records_one_batched_node():
+    ts = [torch.full((2, k + 1), float(k)).to(torchacc.device()) for k in range(5)]
+    torchacc.sync()
+    torch._foreach_mul_(ts, 2.0)
+    torch._foreach_add_(ts, ts, alpha=0.5)
+    nodes = {id(t._st.value.node) for t in ts}
+    assert len(nodes) == 1 and None not in {t._st.value.node for t in ts}
+    for k, t in enumerate(ts):
+        assert t.cpu().tolist() == [[3.0 * k] * (k + 1)] * 2

@@ -19,7 +19,7 @@ from torch._decomp import decomposition_table
 from torchacc import metrics, tensor
 from torchacc.graph import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value
 from torchacc.lowering import lookup
-from torchacc.lowering.registry import scalar_arguments
+from torchacc.lowering.registry import Rule, scalar_arguments
 from torchacc.tensor import LazyTensor, make
 
 aten = torch.ops.aten
@@ -314,6 +314,90 @@ def record_values(func, args, kwargs):
     if len(descs) == 1:
         return [Value(descs[0], node, 0)], op
     return [None if d is None else Value(d, node, i) for i, d in enumerate(descs)], op
+
+
+# Note [Batched foreach nodes]
+# torch.optim's foreach path issues a handful of ``_foreach_*`` ops per step, each over every
+# parameter. Recording one node per element would cost a full dispatch per parameter and op; a
+# batched node records the whole list at once: one signature (all elements' argument parts in
+# order, ``_CALL_END`` between them), one OpEntry whose argument template is the list of per-
+# element (args, kwargs) templates, and a rule that applies the element op's rule to each. Ops
+# whose element op is random, needs ``out=`` descs, returns several outputs or takes a wrapped
+# Python number are not batched (the per-element path records them).
+
+_CALL_END = object()
+_NOT_BATCHED = object()
+
+
+def record_batch(func, calls):
+    """Record functional op ``func`` once per (args, kwargs) in ``calls`` as one node; returns the
+    output Values (one per call), or None if the op cannot be batched. Note [Batched foreach
+    nodes]."""
+    spec = _specs.get(func) or _spec(func)
+    rule = spec.rule
+    if rule is None or rule.rng or rule.out_meta:
+        return None
+    inputs, scalars = [], []
+    sig = [_CALL_END, func]
+    lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
+    for args, kwargs in calls:
+        i = 0
+        for a in args:
+            if type(a) is LazyTensor:
+                inputs.append(a._st.value if a._view is None else value_of(a))
+                sig.append(a._desc)
+            else:
+                _scan(a, lift_pos.get(i, 0), inputs, scalars, sig, func)
+            i += 1
+        for k, v in kwargs.items():
+            sig.append(k)
+            _scan(v, lift_kw.get(k, 0), inputs, scalars, sig, func)
+        sig.append(_CALL_END)
+    key = tuple(sig)
+    op = _entries.get(key)
+    if op is None:
+        op = _entries[key] = _new_batch_entry(spec, key, calls)
+    if op is _NOT_BATCHED:
+        return None
+    node = Node(op, inputs, scalars)
+    return [Value(d, node, i) for i, d in enumerate(op.descs)]
+
+
+def _new_batch_entry(spec, key, calls):
+    if any(type(p) is tuple and len(p) == 2 and p[0] == "wrapped" for p in key):
+        return _NOT_BATCHED
+    count = [0, 0]
+    lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
+    templates, descs = [], []
+    for args, kwargs in calls:
+        try:
+            meta = _compute_meta(spec.func, args, kwargs)
+        except NeedsFallback:
+            return _NOT_BATCHED
+        if meta.kind != "one":
+            return _NOT_BATCHED
+        descs.append(meta.descs[0])
+        targs = [_template(a, lift_pos.get(i, 0), count) for i, a in enumerate(args)]
+        tkwargs = {k: _template(v, lift_kw.get(k, 0), count) for k, v in kwargs.items()}
+        templates.append((targs, tkwargs))
+    return OpEntry(_batched_rule(spec.rule), key, templates, {}, tuple(descs), "list")
+
+
+_batched_rules: dict = {}
+
+
+def _batched_rule(rule):
+    batched = _batched_rules.get(rule.name)
+    if batched is None:
+        fn = rule.fn
+
+        def apply_each(*calls):
+            return [fn(*args, **kwargs) for args, kwargs in calls]
+
+        batched = _batched_rules[rule.name] = Rule(
+            apply_each, rule.static, False, False, f"batched {rule.name}"
+        )
+    return batched
 
 
 def _pack(items, kind):
@@ -674,7 +758,8 @@ def _native_batch_norm(func, args, kwargs):
 
 
 def _foreach_handler(func):
-    """``_foreach_<op>[_]`` -> one ``<op>[_]`` per list element (recorded in the same graph)."""
+    """``_foreach_<op>[_]`` -> one batched node computing ``<op>`` for every list element (see
+    ``record_batch``), or, when the op cannot be batched, one ``<op>[_]`` call per element."""
     name = func.overloadpacket.__name__[len("_foreach_") :]
     inplace = name.endswith("_")
     base_name = name[:-1] if inplace else name
@@ -689,6 +774,10 @@ def _foreach_handler(func):
         target = _foreach_target(packet, overload, schema_args)
     write_back = inplace and not target.overloadpacket.__name__.endswith("_")
     target_handler = _handler(target)
+    functional = target if not target.overloadpacket.__name__.endswith("_") else None
+    if functional is None:
+        functional, mode = _functional_variant(target)
+        functional = functional if mode == "inplace" else None
     per_element = [
         str(a.type).startswith("List[Tensor") or str(a.type) == "List[number]" for a in schema_args
     ]
@@ -696,30 +785,51 @@ def _foreach_handler(func):
     target_pos = [a.name for a in target._schema.arguments if not a.kwarg_only]
     target_kw = [a.name for a in target._schema.arguments if a.kwarg_only]
 
-    def split(j, given):
-        """The j-th element's call: the target's positional arguments first, then its keyword
-        arguments (by name where names agree, ``alpha``; else in order, ``scalars``->``value``)."""
-        call, kw = [], {}
+    def calls(args, kwargs):
+        """Each element's (args, kwargs) for the target: its positional arguments first, then its
+        keyword arguments (by name where names agree, ``alpha``; else in order, ``scalars`` ->
+        ``value``)."""
+        n = len(args[0])
+        given = list(enumerate(args)) + [
+            (i, kwargs[nm]) for i, nm in enumerate(names) if i >= len(args) and nm in kwargs
+        ]
+        pos_cols, kw_names, kw_cols = [], [], []
         for i, a in given:
             if per_element[i]:
-                a = a[j]
+                col = a
             elif isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
-                a = a[j]  # a tensor of per-element scalars
-            if names[i] in target_kw:
-                kw[names[i]] = a
-            elif len(call) < len(target_pos):
-                call.append(a)
+                col = [a[j] for j in range(n)]  # a tensor of per-element scalars
             else:
-                kw[next(n for n in target_kw if n not in kw)] = a
-        return tuple(call), kw
+                col = (a,) * n
+            if names[i] in target_kw:
+                kw_names.append(names[i])
+                kw_cols.append(col)
+            elif len(pos_cols) < len(target_pos):
+                pos_cols.append(col)
+            else:
+                kw_names.append(next(nm for nm in target_kw if nm not in kw_names))
+                kw_cols.append(col)
+        pos = list(zip(*pos_cols))
+        if not kw_names:
+            return [(p, _NO_KWARGS) for p in pos]
+        return [(p, dict(zip(kw_names, row))) for p, row in zip(pos, zip(*kw_cols))]
 
     def handler(_, args, kwargs):
-        given = list(enumerate(args)) + [
-            (i, kwargs[n]) for i, n in enumerate(names) if i >= len(args) and n in kwargs
-        ]
+        if not args[0]:
+            return None if inplace else []
+        per_call = calls(args, kwargs)
+        batch = functional is not None and not (inplace and _writes_alias(args, kwargs))
+        vals = record_batch(functional, per_call) if batch else None
+        if vals is not None:
+            if not inplace:
+                return [make(Storage(v, v.desc), v.desc) for v in vals]
+            for t, v in zip(args[0], vals):
+                if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
+                    _write_back(t, make(Storage(v, v.desc), v.desc), func)  # raises
+                assign(t, v)
+            return None
         results = []
-        for j in range(len(args[0])):
-            call, kw = split(j, given)
+        for j, (call, kw) in enumerate(per_call):
             result = target_handler(target, call, kw)
             if write_back:
                 _write_back(args[0][j], result, func)
@@ -727,6 +837,25 @@ def _foreach_handler(func):
         return None if inplace else results
 
     return handler
+
+
+_NO_KWARGS: dict = {}  # shared, never mutated
+
+
+def _writes_alias(args, kwargs):
+    """Whether an in-place foreach op writes a tensor another element reads or writes (then the
+    elements must run in order, as eager does)."""
+    targets = {id(t._st) for t in args[0] if type(t) is LazyTensor}
+    if len(targets) != len(args[0]):
+        return True
+    for a in (*args[1:], *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            for j, x in enumerate(a):
+                if type(x) is LazyTensor and id(x._st) in targets and x._st is not args[0][j]._st:
+                    return True
+        elif type(a) is LazyTensor and id(a._st) in targets:
+            return True
+    return False
 
 
 def _foreach_target(packet, overload, schema_args):
