@@ -16,6 +16,7 @@ from torchacc.device import device, device_hw, jax_device, platform
 from torchacc.execute import sync, wait_device_ops
 from torchacc.tensor import LazyTensor
 from torchacc import _factories  # noqa: F401  (device= factories route here)
+from torchacc import _autograd_kernels  # noqa: F401  (linear, attention above autograd)
 from torchacc.amp import autocast_policy as _autocast_policy
 
 mark_step = sync

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from torchacc import ops
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -136,6 +137,25 @@ def _axpby(acc, inp, alpha, beta, dtype):
 def addmm(self, mat1, mat2, *, beta=1, alpha=1):
     acc = dot(mat1, mat2, (((1,), (0,)), ((), ())))
     return _axpby(acc, self, alpha, beta, mat1.dtype)
+
+
+@register(ops.linear)
+def linear(input, weight, bias=None):
+    acc = dot(input, weight, (((input.ndim - 1,), (1,)), ((), ())))
+    if bias is not None:
+        acc = acc + bias.astype(acc.dtype)
+    return acc.astype(jnp.result_type(input, weight))
+
+
+@register(ops.linear_backward)
+def linear_backward(grad_output, input, weight):
+    flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
+    flat_input = input.reshape(-1, input.shape[-1])
+    grad_input = dot(grad_output, weight, (((grad_output.ndim - 1,), (0,)), ((), ())))
+    grad_weight = dot(flat_grad, flat_input, (((0,), (0,)), ((), ())))
+    grad_bias = jnp.sum(flat_grad.astype(grad_weight.dtype), axis=0)
+    dtype = grad_output.dtype
+    return grad_input.astype(dtype), grad_weight.astype(dtype), grad_bias.astype(dtype)
 
 
 @register(aten._addmm_activation.default, static=("beta", "alpha"))

@@ -1,0 +1,46 @@
+"""torchacc's own ops, ``torch.ops.torchacc.*``: schemas and meta kernels.
+
+They exist where recording PyTorch's decomposition of a common layer would cost many dispatched
+ops per step (Note [Autograd-level kernels] in torchacc/_autograd_kernels.py). Each has a meta
+kernel (shapes and dtypes, like any ATen op) and a lowering in torchacc/lowering/nn.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_lib = torch.library.Library("torchacc", "DEF")
+_lib.define("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor")
+_lib.define(
+    "linear_backward(Tensor grad_output, Tensor input, Tensor weight) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _linear_meta(input, weight, bias=None):
+    dtypes = [t.dtype for t in (input, weight, bias) if t is not None]
+    if len(set(dtypes)) > 1:
+        raise RuntimeError(
+            f"torchacc.linear: input, weight and bias must have the same dtype, got "
+            f"{', '.join(str(d) for d in dtypes)} (as F.linear on CPU/CUDA)"
+        )
+    return torch.ops.aten.linear.default(input, weight, bias)  # torch's shape checks
+
+
+def _linear_backward_meta(grad_output, input, weight):
+    if grad_output.shape[:-1] != input.shape[:-1] or grad_output.shape[-1] != weight.shape[0]:
+        raise RuntimeError(
+            f"torchacc.linear_backward: grad_output of shape {tuple(grad_output.shape)} does not "
+            f"match input {tuple(input.shape)} and weight {tuple(weight.shape)}"
+        )
+    return (
+        torch.empty(input.shape, dtype=grad_output.dtype, device="meta"),
+        torch.empty(weight.shape, dtype=grad_output.dtype, device="meta"),
+        torch.empty(weight.shape[:1], dtype=grad_output.dtype, device="meta"),
+    )
+
+
+_lib.impl("linear", _linear_meta, "Meta")
+_lib.impl("linear_backward", _linear_backward_meta, "Meta")
+
+linear = torch.ops.torchacc.linear.default
+linear_backward = torch.ops.torchacc.linear_backward.default
