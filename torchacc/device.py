@@ -8,6 +8,7 @@ own local device (index = local rank), see torchacc/distributed.
 from __future__ import annotations
 
 import functools
+import itertools
 import os
 
 import torch
@@ -61,6 +62,15 @@ class _BackendModule:
         execute.wait_device_ops()
 
 
+class _DeviceGuard(torch._C._acc.DeviceGuard):
+    """torch asks the device guard for its device type a few times per op and per autograd node;
+    a C-level callable answers without running a Python frame each time."""
+
+    def __init__(self):
+        super().__init__()
+        self.type_ = itertools.repeat(torch._C._autograd.DeviceType.PrivateUse1).__next__
+
+
 _registered = False
 
 
@@ -69,7 +79,9 @@ def register_backend():
     if _registered:
         return
     if torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
-        _setup_privateuseone_for_python_backend(DEVICE_TYPE, backend_module=_BackendModule())
+        _setup_privateuseone_for_python_backend(
+            DEVICE_TYPE, backend_module=_BackendModule(), device_guard=_DeviceGuard()
+        )
     _registered = True
 
 

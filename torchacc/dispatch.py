@@ -550,8 +550,14 @@ def _split_entry(func, args, kwargs, i, vals, out_desc):
 
 
 def _rule_handler(func, args, kwargs):
-    vals, meta = record_values(func, args, kwargs)
-    return wrap(vals, meta)
+    try:
+        vals, op = record_values(func, args, kwargs)
+    except NeedsFallback:
+        return _fallback_handler(func, args, kwargs)
+    if op.kind == "one":
+        v = vals[0]
+        return make(Storage(v, v.desc), v.desc)
+    return wrap(vals, op)
 
 
 def _functional_variant(func):
@@ -626,7 +632,7 @@ def _make_mutation_handler(func):
 
     if mode == "inplace" and lookup(functional) is not None:
 
-        def handler(_, args, kwargs):  # hot path (optimizers): no throwaway result tensor
+        def inplace(_, args, kwargs):  # hot path: no throwaway result tensor
             try:
                 vals, _meta = record_values(functional, args, kwargs)
             except NeedsFallback:
@@ -637,7 +643,9 @@ def _make_mutation_handler(func):
             assign(target, vals[0])
             return target
 
-    elif mode == "inplace":
+        return inplace
+
+    if mode == "inplace":
 
         def handler(_, args, kwargs):
             result = fhandler(functional, args, kwargs)
@@ -667,7 +675,7 @@ def _make_mutation_handler(func):
             outs = result[: len(result) - n_mut]
             return outs[0] if len(outs) == 1 else tuple(outs)
 
-    return handler
+    return _guarded(handler, func)
 
 
 def _write_back(target, result, func):
@@ -956,12 +964,9 @@ def _classify(func):
     if _is_view_op(func) and lookup(func) is not None:
         return _view_handler
     if _mutated_positions(func):
-        h = _make_mutation_handler(func)
-        if h is not None:
-            return _guarded(h, func)
-        return _fallback_handler
+        return _make_mutation_handler(func) or _fallback_handler
     if lookup(func) is not None:
-        return _guarded(_rule_handler, func)
+        return _rule_handler
     decomp = decomposition_table.get(func)
     if decomp is not None:
         return lambda _, args, kwargs: decomp(*args, **kwargs)
@@ -989,7 +994,14 @@ def dispatch(func, args, kwargs):
     return h(func, args, kwargs or {})
 
 
-tensor._dispatch = dispatch
+def _torch_dispatch(cls, func, types, args=(), kwargs=None):
+    h = _handlers.get(func)
+    if h is None:
+        h = _handler(func)
+    return h(func, args, kwargs or {})
+
+
+LazyTensor.__torch_dispatch__ = classmethod(_torch_dispatch)  # one frame less than a forwarder
 
 
 # --------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, args, kwargs)
+        raise RuntimeError("torchacc.dispatch not loaded")  # replaced by torchacc.dispatch
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -92,7 +92,3 @@ def make(storage, desc, view=None, vcache=None):
     t._vcache = vcache
     t._desc = desc
     return t
-
-
-def _dispatch(func, args, kwargs):  # replaced by torchacc.dispatch at import
-    raise RuntimeError("torchacc.dispatch not loaded")
