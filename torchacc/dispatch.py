@@ -329,47 +329,74 @@ _CALL_END = object()
 _NOT_BATCHED = object()
 
 
-def record_batch(func, calls):
-    """Record functional op ``func`` once per (args, kwargs) in ``calls`` as one node; returns the
-    output Values (one per call), or None if the op cannot be batched. Note [Batched foreach
-    nodes]."""
+def record_batch(func, n, pos_cols, kw_cols):
+    """Record functional op ``func`` for ``n`` elements as one node; returns the output Values
+    (one per element), or None if the op cannot be batched. The arguments come as columns (see
+    ``_foreach_handler``): an argument shared by all elements is scanned once and its slot shared.
+    Note [Batched foreach nodes]."""
     spec = _specs.get(func) or _spec(func)
     rule = spec.rule
     if rule is None or rule.rng or rule.out_meta:
         return None
     inputs, scalars = [], []
-    sig = [_CALL_END, func]
+    sig = [_CALL_END, func, n]
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
-    for args, kwargs in calls:
-        i = 0
-        for a in args:
-            if type(a) is LazyTensor:
-                inputs.append(a._st.value if a._view is None else value_of(a))
-                sig.append(a._desc)
-            else:
-                _scan(a, lift_pos.get(i, 0), inputs, scalars, sig, func)
-            i += 1
-        for k, v in kwargs.items():
-            sig.append(k)
-            _scan(v, lift_kw.get(k, 0), inputs, scalars, sig, func)
-        sig.append(_CALL_END)
+    for i, (each, col) in enumerate(pos_cols):
+        _scan_column(each, col, lift_pos.get(i, 0), inputs, scalars, sig, func)
+    for name, each, col in kw_cols:
+        sig.append(name)
+        _scan_column(each, col, lift_kw.get(name, 0), inputs, scalars, sig, func)
     key = tuple(sig)
     op = _entries.get(key)
     if op is None:
-        op = _entries[key] = _new_batch_entry(spec, key, calls)
+        op = _entries[key] = _new_batch_entry(spec, key, n, pos_cols, kw_cols)
     if op is _NOT_BATCHED:
         return None
     node = Node(op, inputs, scalars)
     return [Value(d, node, i) for i, d in enumerate(op.descs)]
 
 
-def _new_batch_entry(spec, key, calls):
+def _scan_column(each, col, lift, inputs, scalars, sig, func):
+    if not each:
+        _scan(col, lift, inputs, scalars, sig, func)
+        sig.append(_CALL_END)
+        return
+    for x in col:
+        if type(x) is LazyTensor:
+            inputs.append(x._st.value if x._view is None else value_of(x))
+            sig.append(x._desc)
+        else:
+            _scan(x, lift, inputs, scalars, sig, func)
+    sig.append(len(col))
+
+
+def _new_batch_entry(spec, key, n, pos_cols, kw_cols):
     if any(type(p) is tuple and len(p) == 2 and p[0] == "wrapped" for p in key):
         return _NOT_BATCHED
+    if any(each and len(col) != n for each, col in pos_cols) or any(
+        each and len(col) != n for _, each, col in kw_cols
+    ):
+        raise RuntimeError(f"torchacc: {spec.func} (foreach): argument lists differ in length")
     count = [0, 0]
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
+    pos_t = [
+        (
+            [_template(x, lift_pos.get(i, 0), count) for x in col]
+            if each
+            else _template(col, lift_pos.get(i, 0), count)
+        )
+        for i, (each, col) in enumerate(pos_cols)
+    ]
+    kw_t = [
+        (
+            [_template(x, lift_kw.get(name, 0), count) for x in col]
+            if each
+            else _template(col, lift_kw.get(name, 0), count)
+        )
+        for name, each, col in kw_cols
+    ]
     templates, descs = [], []
-    for args, kwargs in calls:
+    for j, (args, kwargs) in enumerate(_element_calls(n, pos_cols, kw_cols)):
         try:
             meta = _compute_meta(spec.func, args, kwargs)
         except NeedsFallback:
@@ -377,8 +404,8 @@ def _new_batch_entry(spec, key, calls):
         if meta.kind != "one":
             return _NOT_BATCHED
         descs.append(meta.descs[0])
-        targs = [_template(a, lift_pos.get(i, 0), count) for i, a in enumerate(args)]
-        tkwargs = {k: _template(v, lift_kw.get(k, 0), count) for k, v in kwargs.items()}
+        targs = [t[j] if each else t for t, (each, _) in zip(pos_t, pos_cols)]
+        tkwargs = {name: t[j] if each else t for t, (name, each, _) in zip(kw_t, kw_cols)}
         templates.append((targs, tkwargs))
     return OpEntry(_batched_rule(spec.rule), key, templates, {}, tuple(descs), "list")
 
@@ -793,51 +820,50 @@ def _foreach_handler(func):
     target_pos = [a.name for a in target._schema.arguments if not a.kwarg_only]
     target_kw = [a.name for a in target._schema.arguments if a.kwarg_only]
 
-    def calls(args, kwargs):
-        """Each element's (args, kwargs) for the target: its positional arguments first, then its
-        keyword arguments (by name where names agree, ``alpha``; else in order, ``scalars`` ->
-        ``value``)."""
+    def columns(args, kwargs):
+        """The target's arguments as columns: (positional [(each, value)], keyword [(name, each,
+        value)]), where ``each`` says ``value`` holds one entry per element. Positional arguments
+        come first, then keywords (by name where names agree, ``alpha``; else in order,
+        ``scalars`` -> ``value``)."""
         n = len(args[0])
         given = list(enumerate(args)) + [
             (i, kwargs[nm]) for i, nm in enumerate(names) if i >= len(args) and nm in kwargs
         ]
-        pos_cols, kw_names, kw_cols = [], [], []
+        pos_cols, kw_cols = [], []
         for i, a in given:
-            if per_element[i]:
-                col = a
-            elif isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
-                col = [a[j] for j in range(n)]  # a tensor of per-element scalars
-            else:
-                col = (a,) * n
+            each = per_element[i]
+            if not each and isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
+                a, each = [a[j] for j in range(n)], True  # a tensor of per-element scalars
             if names[i] in target_kw:
-                kw_names.append(names[i])
-                kw_cols.append(col)
+                kw_cols.append((names[i], each, a))
             elif len(pos_cols) < len(target_pos):
-                pos_cols.append(col)
+                pos_cols.append((each, a))
             else:
-                kw_names.append(next(nm for nm in target_kw if nm not in kw_names))
-                kw_cols.append(col)
-        pos = list(zip(*pos_cols))
-        if not kw_names:
-            return [(p, _NO_KWARGS) for p in pos]
-        return [(p, dict(zip(kw_names, row))) for p, row in zip(pos, zip(*kw_cols))]
+                taken = [c[0] for c in kw_cols]
+                kw_cols.append((next(nm for nm in target_kw if nm not in taken), each, a))
+        return n, pos_cols, kw_cols
 
     def handler(_, args, kwargs):
         if not args[0]:
             return None if inplace else []
-        per_call = calls(args, kwargs)
+        n, pos_cols, kw_cols = columns(args, kwargs)
         batch = functional is not None and not (inplace and _writes_alias(args, kwargs))
-        vals = record_batch(functional, per_call) if batch else None
+        vals = record_batch(functional, n, pos_cols, kw_cols) if batch else None
         if vals is not None:
             if not inplace:
                 return [make(Storage(v, v.desc), v.desc) for v in vals]
             for t, v in zip(args[0], vals):
                 if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
                     _write_back(t, make(Storage(v, v.desc), v.desc), func)  # raises
-                assign(t, v)
+                if t._view is None and v.desc[2] == t._desc[2]:
+                    st = t._st
+                    st.value = v
+                    st.version += 1
+                else:
+                    assign(t, v)
             return None
         results = []
-        for j, (call, kw) in enumerate(per_call):
+        for j, (call, kw) in enumerate(_element_calls(n, pos_cols, kw_cols)):
             result = target_handler(target, call, kw)
             if write_back:
                 _write_back(args[0][j], result, func)
@@ -847,22 +873,38 @@ def _foreach_handler(func):
     return handler
 
 
+def _element_calls(n, pos_cols, kw_cols):
+    """Per element (args, kwargs) from foreach argument columns."""
+    calls = []
+    for j in range(n):
+        call = tuple(v[j] if each else v for each, v in pos_cols)
+        kw = {name: v[j] if each else v for name, each, v in kw_cols}
+        calls.append((call, kw))
+    return calls
+
+
 _NO_KWARGS: dict = {}  # shared, never mutated
 
 
 def _writes_alias(args, kwargs):
     """Whether an in-place foreach op writes a tensor another element reads or writes (then the
     elements must run in order, as eager does)."""
-    targets = {id(t._st) for t in args[0] if type(t) is LazyTensor}
-    if len(targets) != len(args[0]):
+    targets = [t._st for t in args[0] if type(t) is LazyTensor]
+    target_ids = set(map(id, targets))
+    if len(target_ids) != len(args[0]):
         return True
     for a in (*args[1:], *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            for j, x in enumerate(a):
-                if type(x) is LazyTensor and id(x._st) in targets and x._st is not args[0][j]._st:
-                    return True
-        elif type(a) is LazyTensor and id(a._st) in targets:
-            return True
+        if type(a) is LazyTensor:
+            if id(a._st) in target_ids:
+                return True
+        elif isinstance(a, (list, tuple)):
+            read = [x._st for x in a if type(x) is LazyTensor]
+            if target_ids.isdisjoint(map(id, read)):
+                continue
+            if len(read) != len(a) or any(
+                r is not t and id(r) in target_ids for r, t in zip(read, targets)
+            ):
+                return True
     return False
 
 
