@@ -307,3 +307,16 @@ def test_gc_freeze_after_first_cached_step(setting):
     frozen = [ln.endswith("True") for ln in lines]
     # step 0 compiles, step 1 reuses the executable: freeze then (unless turned off)
     assert frozen == ([False, True, True] if not setting else [False, False, False])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 1234, 2**32 + 5, 2**63 - 1, 2**63, 2**64 - 1, -5])
+def test_host_computed_key_matches_jax(seed):
+    import jax
+    import numpy as np
+
+    from torchacc import random
+
+    signed = seed & (2**64 - 1)
+    signed = signed - 2**64 if signed >= 2**63 else signed
+    want = np.asarray(jax.random.key_data(jax.random.key(signed)))
+    np.testing.assert_array_equal(random._key_data(seed), want)
