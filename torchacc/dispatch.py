@@ -4,7 +4,8 @@ Per op (cached in ``_handlers``): views keep eager aliasing (Note [Values, stora
 graph.py); in-place, ``out=`` and other mutating ops record their functional twin and write the
 result back; ops with a lowering rule become graph nodes; the rest decompose with PyTorch's own
 tables, and as a last resort run eagerly on CPU as a counted, named fallback (``aten::<op>``).
-Output shapes/dtypes come from PyTorch's meta kernels, cached by op signature.
+``_foreach_*`` ops record one batched node per list. Output shapes/dtypes come from PyTorch's meta
+kernels, cached by op signature (Note [Recording an op]).
 """
 
 from __future__ import annotations
@@ -784,7 +785,7 @@ def _native_batch_norm(func, args, kwargs):
     )
     a = dict(zip(names, args), **kwargs)
     if not a["training"] or a["running_mean"] is None:
-        return _guarded(_rule_handler, func)(func, args, kwargs)
+        return _rule_handler(func, args, kwargs)
     fn = aten._native_batch_norm_legit_functional.default
     out, mean, rstd, new_mean, new_var = _handler(fn)(fn, tuple(a[n] for n in names), {})
     _write_back(a["running_mean"], new_mean, func)
@@ -881,9 +882,6 @@ def _element_calls(n, pos_cols, kw_cols):
         kw = {name: v[j] if each else v for name, each, v in kw_cols}
         calls.append((call, kw))
     return calls
-
-
-_NO_KWARGS: dict = {}  # shared, never mutated
 
 
 def _writes_alias(args, kwargs):
