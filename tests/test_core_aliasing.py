@@ -246,3 +246,89 @@ def test_foreach_records_one_batched_node():
     assert len(nodes) == 1 and None not in {t._st.value.node for t in ts}
     for k, t in enumerate(ts):
         assert t.cpu().tolist() == [[3.0 * k] * (k + 1)] * 2
+
+
+def _lists(device, dtype=torch.float32):
+    g = torch.Generator().manual_seed(3)
+    shapes = [(3,), (2, 2), (4, 1), ()]
+    return [[torch.randn(s, generator=g).to(dtype).to(device) for s in shapes] for _ in range(3)]
+
+
+_FOREACH_CASES = {
+    "copy_": lambda a, b, c: torch._foreach_copy_(a, b),
+    "zero_": lambda a, b, c: torch._foreach_zero_(a),
+    "maximum_": lambda a, b, c: torch._foreach_maximum_(a, b),
+    "clamp_min_": lambda a, b, c: torch._foreach_clamp_min_(a, 0.1),
+    "addcdiv_tensor": lambda a, b, c: torch._foreach_addcdiv_(
+        a, b, [x.abs() + 1 for x in c], torch.tensor([0.5, -1.0, 2.0, 3.0])
+    ),
+    "add_list_alpha": lambda a, b, c: torch._foreach_add_(a, b, alpha=-0.3),
+    "lerp_list": lambda a, b, c: torch._foreach_lerp_(a, b, [x.sigmoid() for x in c]),
+    "pow_scalarlist": lambda a, b, c: torch._foreach_pow_(
+        [x.abs() + 0.5 for x in a], [1.0, 2.0, 0.5, 3.0]
+    ),
+    "norm": lambda a, b, c: torch._foreach_norm(a, 3.0),
+    "pow_scalar": lambda a, b, c: torch._foreach_pow([x.abs() for x in a], 2.0),
+    "pow_scalar_base": lambda a, b, c: torch._foreach_pow(2.0, a),
+    "sqrt_out": lambda a, b, c: torch._foreach_sqrt([x.abs() for x in b]),
+    "mul_tensor": lambda a, b, c: torch._foreach_mul_(a, c[3]),
+    "sub_bf16": lambda a, b, c: torch._foreach_sub_(
+        [x.to(torch.bfloat16) for x in a], [x.to(torch.bfloat16) for x in b]
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FOREACH_CASES))
+def test_foreach_ops_match_eager(name):
+    """Batched foreach nodes (Note [Batched foreach nodes]) against eager, one op family each."""
+    results = []
+    for device in (torch.device("cpu"), torchacc.device()):
+        a, b, c = _lists(device)
+        out = _FOREACH_CASES[name](a, b, c)
+        results.append([t.cpu() for t in (out or [])] + [t.cpu() for t in a + b + c])
+    for got, want in zip(results[1], results[0]):
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_every_inplace_op_maps_to_a_functional_op_with_its_arguments():
+    """``x.op_(...)`` records the functional ``op`` overload taking the same arguments (names can
+    differ: ``pow_.Scalar`` is ``pow.Tensor_Scalar``, not ``pow.Scalar(Scalar self, ...)``)."""
+    from torchacc import dispatch
+    from torchacc.lowering import RULES
+
+    checked = 0
+    for packet_name in sorted({op.overloadpacket.__name__ for op in RULES}):
+        inplace_packet = getattr(torch.ops.aten, packet_name + "_", None)
+        if inplace_packet is None or packet_name.startswith("_foreach"):
+            continue
+        for ov in inplace_packet.overloads():
+            op = getattr(inplace_packet, ov)
+            functional, mode = dispatch._functional_variant(op)
+            if functional is None or mode != "inplace":
+                continue
+            want = [(a.name, str(a.type)) for a in op._schema.arguments]
+            got = [(a.name, str(a.type)) for a in functional._schema.arguments]
+            assert got == want, (op, functional)
+            checked += 1
+    assert checked > 100
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda x: x.pow_(2.0),
+        lambda x: x.pow_(x),
+        lambda x: x.abs_().pow_(0.5),
+        lambda x: x.div_(2, rounding_mode="floor"),
+        lambda x: x.clamp_(min=torch.zeros(()).to(x.device)),
+        lambda x: x.fmod_(0.7),
+        lambda x: x.lerp_(x * 2, 0.25),
+    ],
+)
+def test_inplace_ops_match_eager(call):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, generator=g)
+    want = call(x.clone())
+    got = call(x.clone().to(torchacc.device())).cpu()
+    torch.testing.assert_close(got, want, equal_nan=True)

@@ -606,8 +606,9 @@ def _functional_variant(func):
         return fn, "out"
     if name.endswith("_") and not name.startswith("_foreach"):
         packet = getattr(aten, name[:-1], None)
-        if packet is not None and overload in packet.overloads():
-            return getattr(packet, overload), "inplace"
+        functional = _same_arguments(packet, func) if packet is not None else None
+        if functional is not None:
+            return functional, "inplace"
     packet = getattr(aten, name + "_functional", None)
     if packet is not None and overload in packet.overloads():
         return getattr(packet, overload), "mutating"
@@ -620,6 +621,24 @@ _INPLACE_SPECIAL = {
     "aten.bernoulli_.Tensor": aten.bernoulli.Tensor,
     "aten.uniform_.default": aten.uniform.default,
 }
+
+
+def _argument_types(op):
+    return [(a.name, str(a.type), a.kwarg_only) for a in op._schema.arguments]
+
+
+def _same_arguments(packet, func):
+    """The overload of ``packet`` taking exactly ``func``'s arguments: the functional twin of an
+    in-place op (names differ at times: ``pow_.Scalar`` is ``pow.Tensor_Scalar``)."""
+    want = _argument_types(func)
+    overloads = packet.overloads()
+    if func._overloadname in overloads:  # usually the same overload name
+        overloads = [func._overloadname] + [o for o in overloads if o != func._overloadname]
+    for ov in overloads:
+        cand = getattr(packet, ov)
+        if _argument_types(cand) == want:
+            return cand
+    return None
 
 
 def _find_out_functional(func, out_names):
@@ -826,10 +845,10 @@ def _foreach_handler(func):
         value)]), where ``each`` says ``value`` holds one entry per element. Positional arguments
         come first, then keywords (by name where names agree, ``alpha``; else in order,
         ``scalars`` -> ``value``)."""
-        n = len(args[0])
         given = list(enumerate(args)) + [
             (i, kwargs[nm]) for i, nm in enumerate(names) if i >= len(args) and nm in kwargs
         ]
+        n = len(next(a for i, a in given if per_element[i]))  # the first list (not always args[0])
         pos_cols, kw_cols = [], []
         for i, a in given:
             each = per_element[i]
@@ -845,9 +864,9 @@ def _foreach_handler(func):
         return n, pos_cols, kw_cols
 
     def handler(_, args, kwargs):
-        if not args[0]:
-            return None if inplace else []
         n, pos_cols, kw_cols = columns(args, kwargs)
+        if n == 0:
+            return None if inplace else []
         batch = functional is not None and not (inplace and _writes_alias(args, kwargs))
         vals = record_batch(functional, n, pos_cols, kw_cols) if batch else None
         if vals is not None:
@@ -906,8 +925,24 @@ def _writes_alias(args, kwargs):
     return False
 
 
+_ELEMENT_TYPE = {
+    "List[Tensor]": "Tensor",
+    "List[number]": "number",
+    "List[Optional[Tensor]]": "Tensor",
+}
+
+
 def _foreach_target(packet, overload, schema_args):
+    """The per-element overload: the one whose positional argument types are the foreach op's with
+    lists replaced by their elements (``_foreach_pow.Scalar(Tensor[], Scalar)`` ->
+    ``pow.Tensor_Scalar``), else by overload name."""
+    want = [_ELEMENT_TYPE.get(str(a.type), str(a.type)) for a in schema_args if not a.kwarg_only]
     ovs = packet.overloads()
+    for ov in ovs:
+        cand = getattr(packet, ov)
+        got = [str(a.type) for a in cand._schema.arguments if not a.kwarg_only]
+        if got == want:
+            return cand
     prefer = {
         "List": ["Tensor", "default"],
         "Scalar": ["Scalar", "default"],
