@@ -320,3 +320,27 @@ def test_host_computed_key_matches_jax(seed):
     signed = signed - 2**64 if signed >= 2**63 else signed
     want = np.asarray(jax.random.key_data(jax.random.key(signed)))
     np.testing.assert_array_equal(random._key_data(seed), want)
+
+
+def test_gc_refreeze_collects_cycles_that_were_frozen(monkeypatch):
+    import gc
+    import weakref
+
+    from torchacc import execute
+
+    class Cycle:
+        pass
+
+    obj = Cycle()
+    obj.me = obj
+    probe = weakref.ref(obj)
+    gc.collect()
+    gc.freeze()  # as torchacc does at the first cached sync
+    del obj
+    gc.collect()
+    assert probe() is not None  # frozen: the collector does not look at it
+    monkeypatch.setattr(execute, "GC_REFREEZE_EVERY", 1)
+    monkeypatch.setattr(execute, "_gc_frozen", [True])
+    torchacc.sync()
+    assert probe() is None  # the re-freeze collected it
+    assert gc.get_freeze_count() > 0  # and froze again

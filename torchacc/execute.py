@@ -117,8 +117,7 @@ def sync(wait=False):
             outputs.append(v)
     if outputs:
         run(outputs, donate=True)
-    if not _gc_frozen[0] and compiler.memory_hits[0]:
-        _freeze_long_lived()
+    _gc_after_sync()
     if wait:
         wait_device_ops()
     end = time.perf_counter()
@@ -137,16 +136,30 @@ def sync(wait=False):
 # running: model, optimizer state and compiled programs exist) torchacc collects once and moves
 # everything alive into the collector's permanent generation (``gc.freeze()``). Later collections
 # only walk newer objects. A step's graph has no reference cycles (Note [Values, storages and
-# views]), so it is freed by reference counting either way. The cost: reference cycles among
-# objects alive at that moment that die later are never collected. ``TORCHACC_GC_FREEZE=0``
-# keeps Python's default behaviour.
+# views]), so it is freed by reference counting either way. Reference cycles among frozen objects
+# that die later (say, a data loader iterator alive at that moment) wait for the next re-freeze:
+# every ``GC_REFREEZE_EVERY`` syncs torchacc unfreezes, collects everything once and freezes again,
+# one full collection per that many steps. ``TORCHACC_GC_FREEZE=0`` keeps Python's default
+# behaviour.
+GC_REFREEZE_EVERY = 1000
 _gc_frozen = [False]
+_syncs_since_freeze = [0]
 
 
-def _freeze_long_lived():
-    _gc_frozen[0] = True
+def _gc_after_sync():
+    if _gc_frozen[0]:
+        _syncs_since_freeze[0] += 1
+        if _syncs_since_freeze[0] >= GC_REFREEZE_EVERY:
+            _syncs_since_freeze[0] = 0
+            gc.unfreeze()
+            gc.collect()
+            gc.freeze()
+        return
+    if not compiler.memory_hits[0]:
+        return
     if os.environ.get("TORCHACC_GC_FREEZE", "1").strip().lower() in ("0", "", "false", "off"):
         return
+    _gc_frozen[0] = True
     gc.collect()
     gc.freeze()
 
