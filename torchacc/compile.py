@@ -2,7 +2,8 @@
 
 Note [What a compiled step is keyed on]
 The key is the graph's structure: for every node its op and static signature (input shapes,
-strides, dtypes, static arguments, the *kinds* of its runtime scalars), how nodes connect, the
+strides, dtypes, static arguments, the *kinds* of its runtime scalars; stood for by the node's
+OpEntry, unique per signature so it compares and hashes by identity), how nodes connect, the
 inputs' shapes and dtypes, which outputs are returned and which inputs are donated. It never holds
 data or Python scalar values: scalars (learning rate, loss scale, bias corrections) are gathered
 into two runtime vectors, one float64 and one int64, so a schedule that changes them every step
@@ -81,16 +82,17 @@ class Graph:
         for node in order:
             op = node.op
             ins = tuple(
-                slot[id(v)] if v.node is None else slot[id(v.node)] + v.index for v in node.inputs
+                [slot[id(v)] if v.node is None else slot[id(v.node)] + v.index for v in node.inputs]
             )
-            parts.append(op.key)
+            parts.append(op)  # OpEntries are unique per signature: equality is identity, hash is id
             parts.append(ins)
             in_slots.append(ins)
             out_base.append(nslots)
             slot[id(node)] = nslots
             nslots += len(op.descs)
-            for s in node.scalars:
-                (ints if type(s) is int or type(s) is bool else floats).append(s)
+            if node.scalars:
+                for s in node.scalars:
+                    (ints if type(s) is int or type(s) is bool else floats).append(s)
         self.order = order
         self.inputs = inputs
         self.outputs = outputs
@@ -311,6 +313,7 @@ def explain_miss(key):
                 f"shape {tuple(b[0])} dtype {b[1]}"
             )
     for i, (a, b) in enumerate(zip(parts[::2], o_parts[::2])):
+        a, b = a.key, b.key
         if a != b:
             if a[0] != b[0]:
                 return f"op {i} is {a[0]}; nearest cached graph has {b[0]} there"
