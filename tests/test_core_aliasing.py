@@ -158,7 +158,7 @@ def _foreach_views_of_one_base(x, y):
     return x
 
 
-def _foreach_lerp_scalarlist(x, y):
+def _foreach_div_scalarlist_then_sqrt(x, y):
     torch._foreach_div_([x, y], [2.0, 4.0])
     out = torch._foreach_sqrt([x.abs(), y.abs()])
     return x, y, out[0], out[1]

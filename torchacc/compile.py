@@ -56,28 +56,17 @@ jax.monitoring.register_event_listener(_on_event)
 class Graph:
     """The nodes needed to compute ``outputs``, in topological order, and their inputs.
 
-    Slots number the program's arrays: inputs first, then each node's outputs from
-    ``out_base[k]`` on (one slot per output desc of its OpEntry)."""
+    Slots number the program's arrays: inputs first, then each node's outputs in order (one slot
+    per output desc of its OpEntry). ``key[1]`` alternates each node's OpEntry and the slots of its
+    inputs."""
 
-    __slots__ = (
-        "order",
-        "inputs",
-        "outputs",
-        "key",
-        "floats",
-        "ints",
-        "donate",
-        "in_slots",
-        "out_base",
-        "out_slots",
-        "nslots",
-    )
+    __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate", "out_slots")
 
     def __init__(self, outputs, donatable=None):
         order, inputs = _collect(outputs)
         slot = {id(v): i for i, v in enumerate(inputs)}  # input Value or node -> (first) slot
         nslots = len(inputs)
-        parts, in_slots, out_base = [], [], []
+        parts = []
         floats, ints = [], []
         for node in order:
             op = node.op
@@ -86,21 +75,15 @@ class Graph:
             )
             parts.append(op)  # OpEntries are unique per signature: equality is identity, hash is id
             parts.append(ins)
-            in_slots.append(ins)
-            out_base.append(nslots)
             slot[id(node)] = nslots
             nslots += len(op.descs)
-            if node.scalars:
-                for s in node.scalars:
-                    (ints if type(s) is int or type(s) is bool else floats).append(s)
+            for s in node.scalars:
+                (ints if type(s) is int or type(s) is bool else floats).append(s)
         self.order = order
         self.inputs = inputs
         self.outputs = outputs
         self.floats = floats
         self.ints = ints
-        self.in_slots = in_slots
-        self.out_base = out_base
-        self.nslots = nslots
         self.out_slots = out_slots = tuple(slot[id(v.node)] + v.index for v in outputs)
         self.donate = _donations(inputs, outputs, donatable) if donatable else ()
         in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
@@ -175,7 +158,8 @@ def _program(graph):
 
     steps = []
     fpos = ipos = 0
-    for node, in_ids, base in zip(graph.order, graph.in_slots, graph.out_base):
+    base = len(graph.inputs)  # first slot of the node's outputs (Graph's numbering)
+    for node, in_ids in zip(graph.order, graph.key[1][1::2]):
         op = node.op
         slots = []
         for s in node.scalars:
@@ -186,10 +170,11 @@ def _program(graph):
                 slots.append(("f", fpos))
                 fpos += 1
         out_ids = [None if d is None else base + j for j, d in enumerate(op.descs)]
+        base += len(op.descs)
         kinds = _scalar_kinds(node)
         steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs))
     out_ids = list(graph.out_slots)
-    nslots = graph.nslots
+    nslots = base
 
     def program(floats, ints, *arrays):
         env = list(arrays)

@@ -18,6 +18,7 @@ import torch
 from torch._decomp import decomposition_table
 
 from torchacc import metrics, tensor
+from torchacc import random as device_random
 from torchacc.graph import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value
 from torchacc.lowering import lookup
 from torchacc.lowering.registry import Rule, scalar_arguments
@@ -265,14 +266,8 @@ def _new_entry(spec, key, args, kwargs):
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
     targs = [_template(a, lift_pos.get(i, 0), count) for i, a in enumerate(args)]
     tkwargs = {k: _template(v, lift_kw.get(k, 0), count) for k, v in kwargs.items()}
-    descs = meta.descs + ((_random().KEY_DESC,) if spec.rule.rng else ())
+    descs = meta.descs + ((device_random.KEY_DESC,) if spec.rule.rng else ())
     return OpEntry(spec.rule, key, targs, tkwargs, descs, meta.kind)
-
-
-def _random():
-    from torchacc import random
-
-    return random
 
 
 def record_values(func, args, kwargs):
@@ -304,11 +299,10 @@ def record_values(func, args, kwargs):
     if op is None:
         op = _entries[key] = _new_entry(spec, key, args, kwargs)
     if rule.rng:
-        random = _random()
-        inputs.append(random.state_value())
+        inputs.append(device_random.state_value())
         node = Node(op, inputs, scalars)
         descs = op.descs[:-1]
-        random.advance(node, len(descs))
+        device_random.advance(node, len(descs))
     else:
         node = Node(op, inputs, scalars)
         descs = op.descs
@@ -330,15 +324,18 @@ _CALL_END = object()
 _NOT_BATCHED = object()
 
 
+def _batchable(func):
+    """Whether functional op ``func``'s rule can run batched (Note [Batched foreach nodes])."""
+    rule = lookup(func)
+    return rule is not None and not rule.rng and not rule.out_meta
+
+
 def record_batch(func, n, pos_cols, kw_cols):
-    """Record functional op ``func`` for ``n`` elements as one node; returns the output Values
-    (one per element), or None if the op cannot be batched. The arguments come as columns (see
-    ``_foreach_handler``): an argument shared by all elements is scanned once and its slot shared.
-    Note [Batched foreach nodes]."""
+    """Record functional op ``func`` (``_batchable``) for ``n`` elements as one node; returns the
+    output Values (one per element), or None if the op cannot be batched for these arguments. The
+    arguments come as columns (see ``_foreach_handler``): an argument shared by all elements is
+    scanned once and its slot shared. Note [Batched foreach nodes]."""
     spec = _specs.get(func) or _spec(func)
-    rule = spec.rule
-    if rule is None or rule.rng or rule.out_meta:
-        return None
     inputs, scalars = [], []
     sig = [_CALL_END, func, n]
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
@@ -371,6 +368,11 @@ def _scan_column(each, col, lift, inputs, scalars, sig, func):
     sig.append(len(col))
 
 
+def _column_template(each, col, lift, count):
+    """``_template`` of a column: one per element, or one shared by all (mirrors _scan_column)."""
+    return [_template(x, lift, count) for x in col] if each else _template(col, lift, count)
+
+
 def _new_batch_entry(spec, key, n, pos_cols, kw_cols):
     if any(type(p) is tuple and len(p) == 2 and p[0] == "wrapped" for p in key):
         return _NOT_BATCHED
@@ -378,24 +380,13 @@ def _new_batch_entry(spec, key, n, pos_cols, kw_cols):
         each and len(col) != n for _, each, col in kw_cols
     ):
         raise RuntimeError(f"torchacc: {spec.func} (foreach): argument lists differ in length")
-    count = [0, 0]
+    count = [0, 0]  # in _scan_column's order
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
     pos_t = [
-        (
-            [_template(x, lift_pos.get(i, 0), count) for x in col]
-            if each
-            else _template(col, lift_pos.get(i, 0), count)
-        )
+        _column_template(each, col, lift_pos.get(i, 0), count)
         for i, (each, col) in enumerate(pos_cols)
     ]
-    kw_t = [
-        (
-            [_template(x, lift_kw.get(name, 0), count) for x in col]
-            if each
-            else _template(col, lift_kw.get(name, 0), count)
-        )
-        for name, each, col in kw_cols
-    ]
+    kw_t = [_column_template(each, col, lift_kw.get(name, 0), count) for name, each, col in kw_cols]
     templates, descs = [], []
     for j, (args, kwargs) in enumerate(_element_calls(n, pos_cols, kw_cols)):
         try:
@@ -439,13 +430,14 @@ def _pack(items, kind):
     return None
 
 
+def fresh(value):
+    """A new base tensor (its own Storage) holding ``value``."""
+    return make(Storage(value, value.desc), value.desc)
+
+
 def wrap(values, op):
     """Fresh base tensors holding ``values``, in the structure ``op`` returns."""
-    if op.kind == "one":
-        v = values[0]
-        return make(Storage(v, v.desc), v.desc)
-    ts = [None if v is None else make(Storage(v, v.desc), v.desc) for v in values]
-    return _pack(ts, op.kind)
+    return _pack([None if v is None else fresh(v) for v in values], op.kind)
 
 
 # --------------------------------------------------------------------------------------------
@@ -582,10 +574,7 @@ def _rule_handler(func, args, kwargs):
         vals, op = record_values(func, args, kwargs)
     except NeedsFallback:
         return _fallback_handler(func, args, kwargs)
-    if op.kind == "one":
-        v = vals[0]
-        return make(Storage(v, v.desc), v.desc)
-    return wrap(vals, op)
+    return fresh(vals[0]) if op.kind == "one" else wrap(vals, op)
 
 
 def _functional_variant(func):
@@ -827,12 +816,15 @@ def _foreach_handler(func):
         if packet is None:  # no in-place twin (maximum_): run the functional op and write back
             packet = getattr(aten, base_name)
         target = _foreach_target(packet, overload, schema_args)
-    write_back = inplace and not target.overloadpacket.__name__.endswith("_")
     target_handler = _handler(target)
-    functional = target if not target.overloadpacket.__name__.endswith("_") else None
-    if functional is None:
+    if target.overloadpacket.__name__.endswith("_"):
         functional, mode = _functional_variant(target)
-        functional = functional if mode == "inplace" else None
+        write_back = False
+    else:  # a functional target: in-place foreach ops write its results back
+        functional, mode = target, "inplace"
+        write_back = inplace
+    if mode != "inplace" or not _batchable(functional):
+        functional = None  # record each element on its own
     per_element = [
         str(a.type).startswith("List[Tensor") or str(a.type) == "List[number]" for a in schema_args
     ]
@@ -871,16 +863,11 @@ def _foreach_handler(func):
         vals = record_batch(functional, n, pos_cols, kw_cols) if batch else None
         if vals is not None:
             if not inplace:
-                return [make(Storage(v, v.desc), v.desc) for v in vals]
+                return [fresh(v) for v in vals]
             for t, v in zip(args[0], vals):
                 if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
-                    _write_back(t, make(Storage(v, v.desc), v.desc), func)  # raises
-                if t._view is None and v.desc[2] == t._desc[2]:
-                    st = t._st
-                    st.value = v
-                    st.version += 1
-                else:
-                    assign(t, v)
+                    _write_back(t, fresh(v), func)  # raises the device or resize error
+                assign(t, v)
             return None
         results = []
         for j, (call, kw) in enumerate(_element_calls(n, pos_cols, kw_cols)):
@@ -1062,13 +1049,6 @@ def _guarded(h, func):
     return guarded
 
 
-def dispatch(func, args, kwargs):
-    h = _handlers.get(func)
-    if h is None:
-        h = _handler(func)
-    return h(func, args, kwargs or {})
-
-
 def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     h = _handlers.get(func)
     if h is None:
@@ -1076,7 +1056,12 @@ def _torch_dispatch(cls, func, types, args=(), kwargs=None):
     return h(func, args, kwargs or {})
 
 
-LazyTensor.__torch_dispatch__ = classmethod(_torch_dispatch)  # one frame less than a forwarder
+LazyTensor.__torch_dispatch__ = classmethod(_torch_dispatch)  # no forwarding frame per op
+
+
+def dispatch(func, args, kwargs):
+    """Record ``func`` as ``__torch_dispatch__`` would (for kernels registered outside it)."""
+    return _torch_dispatch(LazyTensor, func, (), args, kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -1093,8 +1078,7 @@ def upload(host):
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    val = upload(host.detach().contiguous())
-    return make(Storage(val, val.desc), val.desc)
+    return fresh(upload(host.detach().contiguous()))
 
 
 def to_cpu(t):

@@ -60,16 +60,15 @@ def _upload_tree(x):
 
 def _wrap_tree(x):
     from torchacc import metrics
-    from torchacc.dispatch import contiguous_desc
-    from torchacc.graph import Storage, Value
-    from torchacc.tensor import make
+    from torchacc.dispatch import contiguous_desc, fresh
+    from torchacc.graph import Value
 
     if isinstance(x, _Uploaded):
         desc = contiguous_desc(x.shape, x.dtype)
         value = Value(desc, array=x.array)
         metrics.record_time("TransferToDeviceTime", x.seconds)
         metrics.counter_inc("TransferToDevice")
-        return make(Storage(value, desc), desc)
+        return fresh(value)
     if isinstance(x, dict):
         return type(x)((k, _wrap_tree(v)) for k, v in x.items())
     if isinstance(x, tuple) and hasattr(x, "_fields"):
