@@ -155,6 +155,7 @@ def measure(name, steps, repeats):
         "traced_step_ms": t * 1e3,
         "us_per_op": t / counter.n * 1e6,
         "ratio": statistics.median(ratios),
+        "repeat_ratios": ratios,
     }
 
 

@@ -52,3 +52,25 @@ def test_benchmarks_quick(tmp_path):
     md = (out / "results.md").read_text()
     assert "| gpt2 (gpt-tiny, b8) | eager |" in md
     assert "torchacc" in md
+
+
+@pytest.mark.slow
+def test_trace_overhead_reports_paired_ratios(tmp_path):
+    out = tmp_path / "trace.json"
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "benchmarks", "trace_overhead.py"),
+        "--models", "gpt",
+        "--steps", "2",
+        "--repeats", "3",
+        "--json", str(out),
+    ]  # fmt: skip
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    (row,) = json.loads(out.read_text())
+    assert row["model"] == "gpt" and row["ops_per_step"] > 0
+    assert len(row["repeat_ratios"]) == 3 and all(r > 0 for r in row["repeat_ratios"])
+    # the ratio is the median of the per-repeat paired ratios, not a ratio of medians
+    assert row["ratio"] == sorted(row["repeat_ratios"])[1]
+    assert row["us_per_op"] == pytest.approx(row["traced_step_ms"] * 1e3 / row["ops_per_step"])
