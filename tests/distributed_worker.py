@@ -24,7 +24,7 @@ import torch.nn as nn
 import torchacc
 import torchacc.torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
 from torchacc.distributed import collectives as C
-from torchacc.distributed import runtime
+from torchacc.runtime import processes as runtime
 
 DEV = torchacc.device()
 

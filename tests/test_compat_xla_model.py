@@ -133,7 +133,7 @@ def test_runtime_cache_and_utils(tmp_path):
     assert xr.initialize_cache(str(tmp_path / "cache")) == str(tmp_path / "cache")
     import os
 
-    from torchacc import compile as _compile
+    from torchacc import program as _compile
 
     _compile.enable_persistent_cache(os.environ["TORCHACC_CACHE_DIR"])
     gen = xu.SampleGenerator(data=(1, 2), sample_count=3)

@@ -294,7 +294,7 @@ def test_foreach_ops_match_eager(name):
 def test_every_inplace_op_maps_to_a_functional_op_with_its_arguments():
     """``x.op_(...)`` records the functional ``op`` overload taking the same arguments (names can
     differ: ``pow_.Scalar`` is ``pow.Tensor_Scalar``, not ``pow.Scalar(Scalar self, ...)``)."""
-    from torchacc import dispatch
+    from torchacc.lazy import mutation
     from torchacc.lowering import RULES
 
     checked = 0
@@ -304,7 +304,7 @@ def test_every_inplace_op_maps_to_a_functional_op_with_its_arguments():
             continue
         for ov in inplace_packet.overloads():
             op = getattr(inplace_packet, ov)
-            functional, mode = dispatch._functional_variant(op)
+            functional, mode = mutation.functional_variant(op)
             if functional is None or mode != "inplace":
                 continue
             want = [(a.name, str(a.type)) for a in op._schema.arguments]

@@ -7,7 +7,7 @@ from distributed_launch import load, report, torchrun
 
 import torchacc
 from torchacc.distributed import collectives as C
-from torchacc.distributed import runtime
+from torchacc.runtime import processes as runtime
 
 EXPECTED_CHECKS = {
     "ranks",
@@ -79,8 +79,10 @@ def test_errors_name_the_op():
 
 
 def test_collective_ops_compile_as_spmd_program():
-    """The recorded collective ops run through runtime.compile_spmd (a one-device mesh here)."""
-    from torchacc import compile as compiler
+    """The recorded collective ops run through spmd.compile_spmd (a one-device mesh here)."""
+    from torchacc import program as compiler
+    from torchacc.program.cache import _cache
+    from torchacc.program.spmd import SpmdExecutable
 
     ops = C.ops
     x = dev(torch.arange(6.0).reshape(2, 3))
@@ -96,8 +98,8 @@ def test_collective_ops_compile_as_spmd_program():
     y = s + 1  # ordinary ops after a collective live in the same SPMD program
     torchacc.sync()
     assert compiler.cache_size() == before + 1
-    exe = next(reversed(compiler._cache.values()))
-    assert isinstance(exe, runtime.SpmdExecutable)
+    exe = next(reversed(_cache.values()))
+    assert isinstance(exe, SpmdExecutable)
     torch.testing.assert_close(y.cpu(), x.cpu() + 1)
     torch.testing.assert_close(i.cpu(), n.cpu())
     torch.testing.assert_close(mx.cpu(), x.cpu())
@@ -109,7 +111,7 @@ def test_collective_ops_compile_as_spmd_program():
 
 def test_graph_order_is_creation_order():
     """Every rank must build the same graph: live storages come back oldest first."""
-    from torchacc.graph import live_storages
+    from torchacc.ir import live_storages
 
     ts = [dev(torch.full((2,), float(k))) for k in range(50)]
     del ts[::3]  # dead storages in between

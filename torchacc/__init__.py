@@ -9,19 +9,20 @@ Public API::
 """
 
 from torchacc import _jaxconfig  # noqa: F401  (before JAX makes any array)
-from torchacc import compile as _compile
-from torchacc import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
+from torchacc import program as _program
+from torchacc.lazy import dispatch as _dispatch  # noqa: F401  (installs __torch_dispatch__)
 from torchacc import metrics
-from torchacc.device import device, device_hw, jax_device, platform
-from torchacc.execute import sync, wait_device_ops
-from torchacc.tensor import LazyTensor
-from torchacc import _factories  # noqa: F401  (device= factories route here)
-from torchacc import _autograd_kernels  # noqa: F401  (linear, attention above autograd)
+from torchacc.lazy.device import device, device_hw
+from torchacc.runtime.device import jax_device, platform
+from torchacc.engine.execute import sync, wait_device_ops
+from torchacc.lazy.tensor import LazyTensor
+from torchacc.lazy import factories as _factories  # noqa: F401  (device= factories route here)
+from torchacc.lazy import autograd_kernels as _autograd_kernels  # noqa: F401  (above autograd)
 from torchacc.amp import autocast_policy as _autocast_policy
 
 mark_step = sync
 
-_compile.enable_persistent_cache()
+_program.enable_persistent_cache()
 # module.to(torchacc.device()) swaps parameters in place (torch's future default) instead of making
 # new Parameter objects: tied weights stay tied and optimizers built before .to() keep working.
 import torch as _torch  # noqa: E402

@@ -59,19 +59,21 @@ class ResNet(nn.Module):
         layers: tuple[int, int, int, int] = (3, 4, 6, 3),
         num_classes: int = 1000,
         zero_init_residual: bool = False,
+        width: int = 64,
     ):
         super().__init__()
-        self.inplanes = 64
-        self.conv1 = nn.Conv2d(3, 64, kernel_size=7, stride=2, padding=3, bias=False)
-        self.bn1 = nn.BatchNorm2d(64)
+        # ``width`` scales every stage (64 is ResNet-50; the host-cost benchmark uses a narrow one)
+        self.inplanes = width
+        self.conv1 = nn.Conv2d(3, width, kernel_size=7, stride=2, padding=3, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(kernel_size=3, stride=2, padding=1)
-        self.layer1 = self._make_layer(64, layers[0])
-        self.layer2 = self._make_layer(128, layers[1], stride=2)
-        self.layer3 = self._make_layer(256, layers[2], stride=2)
-        self.layer4 = self._make_layer(512, layers[3], stride=2)
+        self.layer1 = self._make_layer(width, layers[0])
+        self.layer2 = self._make_layer(2 * width, layers[1], stride=2)
+        self.layer3 = self._make_layer(4 * width, layers[2], stride=2)
+        self.layer4 = self._make_layer(8 * width, layers[3], stride=2)
         self.avgpool = nn.AdaptiveAvgPool2d((1, 1))
-        self.fc = nn.Linear(512 * Bottleneck.expansion, num_classes)
+        self.fc = nn.Linear(8 * width * Bottleneck.expansion, num_classes)
 
         for m in self.modules():
             if isinstance(m, nn.Conv2d):

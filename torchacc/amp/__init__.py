@@ -25,7 +25,7 @@ import os
 import torch
 
 from torchacc.amp import autocast_policy
-from torchacc.device import DEVICE_TYPE, register_backend
+from torchacc.lazy.device import DEVICE_TYPE, register_backend
 
 _DTYPE_NAMES = {
     "bf16": torch.bfloat16,

@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 from torch.library import Library, fallthrough_kernel
 
-from torchacc.device import DEVICE_TYPE, register_backend
+from torchacc.lazy.device import DEVICE_TYPE, register_backend
 
 aten = torch.ops.aten
 _KEY = "AutocastPrivateUse1"

@@ -22,7 +22,7 @@ from collections import defaultdict
 import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
-from torchacc.device import DEVICE_TYPE, register_backend
+from torchacc.lazy.device import DEVICE_TYPE, register_backend
 
 _FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 

@@ -5,8 +5,8 @@ Each process of a ``torchrun`` job drives one device and records its own trainin
 collectives on CPU, NCCL on GPU), so a collective recorded on a torchacc tensor becomes part of the
 XLA program that the next ``torchacc.sync()`` runs -- there is no transport of our own.
 
-- ``runtime``: joins the job from torchrun's environment, rank / world size / local rank, the
-  process mesh, and the SPMD compile hook described below.
+- ``torchacc.runtime.processes``: joins the job from torchrun's environment, rank / world size /
+  local rank; ``torchacc.program.spmd``: the process mesh and the SPMD compile described below.
 - ``collectives``: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
   ``all_to_all``, ``barrier``, ``rendezvous``, ``broadcast_parameters`` on torchacc tensors.
 - ``xla_backend``: the ``"xla"`` ``torch.distributed`` backend built on ``collectives``.
@@ -15,7 +15,7 @@ Note [Multi-process programs]
 A graph with no collective is compiled as before: a ``jax.jit`` program on this process's device,
 fed and returning single-device arrays; nothing changes for single-process runs. A graph holding at
 least one collective node (a rule marked ``torchacc_collective``) must run as *one* SPMD program on
-every process, so ``compile.compiled_for`` hands it to ``runtime.compile_spmd``:
+every process, so ``program.compiled_for`` hands it to ``program.spmd.compile_spmd``:
 
 - the step function is wrapped in ``jax.shard_map`` over a mesh with one device per process, axis
   ``runtime.AXIS`` ("p"), ordered by rank, so ``jax.lax.psum(x, "p")`` and friends are the
@@ -45,7 +45,7 @@ creation order (not a set's address order), so the same recorded program gives t
 order -- hence the same collective order -- in every process.
 """
 
-from torchacc.distributed.runtime import (  # noqa: F401
+from torchacc.runtime.processes import (  # noqa: F401
     AXIS,
     initialize,
     is_initialized,

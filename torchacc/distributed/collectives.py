@@ -23,10 +23,11 @@ import jax
 import jax.numpy as jnp
 import torch
 
-from torchacc.distributed import runtime
-from torchacc.distributed.runtime import AXIS, is_initialized, local_rank, rank, world_size
+from torchacc.engine import execute
+from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering.registry import register
-from torchacc.tensor import LazyTensor
+from torchacc.runtime import processes as runtime
+from torchacc.runtime.processes import AXIS, is_initialized, local_rank, rank, world_size
 
 __all__ = [
     "all_reduce",
@@ -102,7 +103,7 @@ for _name, _fn in (
 
 
 def _collective(fn):
-    fn.torchacc_collective = True  # runtime.is_spmd_graph looks for this
+    fn.torchacc_collective = True  # program.spmd.is_spmd_graph looks for this
     return fn
 
 
@@ -520,9 +521,7 @@ def broadcast_parameters(module, src=0):
     ]
     if tensors and world_size() > 1:
         broadcast(tensors, src)
-        import torchacc
-
-        torchacc.sync()
+        execute.sync()
     return module
 
 

@@ -26,9 +26,11 @@ import functools
 import torch
 import torch.distributed as dist
 
-from torchacc import dispatch, execute
-from torchacc.distributed import collectives, runtime
-from torchacc.tensor import LazyTensor
+from torchacc.distributed import collectives
+from torchacc.engine import execute
+from torchacc.lazy.record import value_of
+from torchacc.lazy.tensor import LazyTensor
+from torchacc.runtime import processes as runtime
 
 BACKEND_NAME = "xla"
 
@@ -266,7 +268,7 @@ def _via_device(method):
 
         def to_device(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
-                d = dispatch.to_device(x)
+                d = to_device(x)
                 pairs.append((x, d))
                 return d
             if isinstance(x, (list, tuple)):
@@ -275,7 +277,7 @@ def _via_device(method):
 
         work = method(self, *[to_device(a) for a in args], **kwargs)
         if pairs:
-            values = [dispatch.value_of(d) for _, d in pairs]
+            values = [value_of(d) for _, d in pairs]
             pending = list({id(v): v for v in values if v.node is not None}.values())
             if pending:
                 execute.run(pending, donate=False)

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from jax import lax
 
-from torchacc import ops
+from torchacc.lowering import custom_ops as ops
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 

@@ -55,7 +55,7 @@ def device_type():
 def initialize_cache(path, readonly=False):
     """Keep compiled programs under ``path`` (persistent across runs). ``readonly`` is accepted
     for compatibility; the cache is always written."""
-    from torchacc import compile as _compile
+    from torchacc import program as _compile
 
     return _compile.enable_persistent_cache(str(path))
 

@@ -18,8 +18,8 @@ import sys
 import torch
 
 import torchacc
-from torchacc import execute as _execute
 from torchacc import metrics  # noqa: F401  (xm users reach metrics through torch_xla.debug)
+from torchacc.engine import execute as _execute
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"

@@ -40,14 +40,14 @@ class _Uploaded:
 
 
 def _upload_tree(x):
-    from torchacc import execute
+    from torchacc.engine import transfer
 
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             return x  # already elsewhere (e.g. on the device): left as is
         host = x.detach().contiguous()
         start = time.perf_counter()
-        array = execute.put(execute._numpy_of(host))
+        array = transfer.put(transfer._numpy_of(host))
         return _Uploaded(array, tuple(host.shape), host.dtype, time.perf_counter() - start)
     if isinstance(x, dict):
         return type(x)((k, _upload_tree(v)) for k, v in x.items())
@@ -60,8 +60,8 @@ def _upload_tree(x):
 
 def _wrap_tree(x):
     from torchacc import metrics
-    from torchacc.dispatch import contiguous_desc, fresh
-    from torchacc.graph import Value
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.record import fresh
 
     if isinstance(x, _Uploaded):
         desc = contiguous_desc(x.shape, x.dtype)

@@ -1,4 +1,4 @@
-"""The multi-process runtime: joining the job, ranks, the process mesh, SPMD programs.
+"""The multi-process runtime: joining the job, ranks and world size, fast exit.
 
 See Note [Multi-process programs] in ``torchacc/distributed/__init__.py``.
 
@@ -27,21 +27,18 @@ import sys
 import threading
 
 import jax
-import numpy as np
 
 AXIS = "p"  # the mesh axis of processes, one device each
 
 
 class _State:
-    __slots__ = ("initialized", "rank", "world", "local_rank", "mesh", "replicated")
+    __slots__ = ("initialized", "rank", "world", "local_rank")
 
     def __init__(self):
         self.initialized = False
         self.rank = 0
         self.world = 1
         self.local_rank = 0
-        self.mesh = None
-        self.replicated = None
 
 
 _state = _State()
@@ -70,7 +67,7 @@ def env_world_size():
 def maybe_initialize():
     """Join the job the environment describes (WORLD_SIZE > 1), once; else do nothing.
 
-    Called by ``torchacc.device.platform()`` before JAX starts its backends.
+    Called by ``torchacc.runtime.device.platform()`` before JAX starts its backends.
     """
     if _state.initialized or not _auto_enabled() or env_world_size() <= 1:
         return False
@@ -265,119 +262,3 @@ def _install_fast_exit():
                 os._exit(1)
 
     sys.excepthook = excepthook
-
-
-# --------------------------------------------------------------------------------------------
-# the process mesh and SPMD programs
-
-
-def mesh():
-    """``jax.sharding.Mesh`` with one device per process (this process's = its torchacc device)."""
-    if _state.mesh is None:
-        with _lock:
-            if _state.mesh is None:
-                _build_mesh()
-    return _state.mesh
-
-
-def _build_mesh():
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    from torchacc.device import jax_device, platform
-
-    mine = jax_device()
-    world = world_size()
-    per_process = {}
-    for d in jax.devices(platform()):
-        p = d.process_index
-        if p == jax.process_index():
-            per_process[p] = mine
-        elif p not in per_process or d.id < per_process[p].id:
-            per_process[p] = d
-    if sorted(per_process) != list(range(world)):
-        raise RuntimeError(
-            f"torchacc.distributed: expected devices of {world} processes, JAX sees processes "
-            f"{sorted(per_process)}"
-        )
-    _state.mesh = Mesh(np.array([per_process[p] for p in range(world)]), (AXIS,))
-    _state.replicated = NamedSharding(_state.mesh, PartitionSpec())
-
-
-def is_spmd_graph(graph):
-    """True when ``graph`` (a compile.Graph) holds a collective and must run as one SPMD program."""
-    for node in graph.order:
-        if getattr(node.op.rule.fn, "torchacc_collective", False):
-            return True
-    return False
-
-
-def compile_spmd(program, args, donate):
-    """Compile ``program`` (local arrays -> list of local arrays) as one SPMD program over the mesh.
-
-    ``args`` are example arguments (local arrays / numpy) and ``donate`` the donated positions, as
-    for ``jax.jit``. Returns an ``SpmdExecutable``.
-    """
-    from jax.sharding import PartitionSpec
-
-    m = mesh()
-    rep = _state.replicated
-    spmd = jax.shard_map(
-        program, mesh=m, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
-    )
-    avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=rep) for a in args]
-    exe = jax.jit(spmd, donate_argnums=donate).lower(*avals).compile()
-    _align_after_compile()
-    return SpmdExecutable(exe, rep)
-
-
-_compiles = [0]
-
-
-def _align_after_compile():
-    """Wait for every rank to finish compiling before the first run of a new SPMD program.
-
-    Compile times differ between ranks (a loaded host, a cold cache), while the gloo/NCCL
-    transport gives the first collective only ~30 s to find its peers; a barrier on the
-    coordination service (generous timeout, TORCHACC_COMPILE_BARRIER_TIMEOUT seconds) lines
-    the ranks up first.
-    """
-    client = _jax_distributed_client()
-    if client is None:
-        return
-    _compiles[0] += 1
-    timeout_s = _env_int("TORCHACC_COMPILE_BARRIER_TIMEOUT", 1800)
-    client.wait_at_barrier(f"torchacc/compiled/{_compiles[0]}", timeout_s * 1000)
-
-
-try:  # the direct constructor is ~5x cheaper than make_array_from_single_device_arrays
-    from jax._src.array import ArrayImpl as _ArrayImpl
-except Exception:  # pragma: no cover - private API moved
-    _ArrayImpl = None
-
-
-class SpmdExecutable:
-    """A compiled SPMD step called like a single-device one: local arrays in, local arrays out."""
-
-    __slots__ = ("compiled", "sharding", "device")
-
-    def __init__(self, compiled, sharding):
-        from torchacc.device import jax_device
-
-        self.compiled = compiled
-        self.sharding = sharding
-        self.device = jax_device()
-
-    def to_global(self, a):
-        """The global (replicated-by-declaration) array whose local shard is ``a``."""
-        if not isinstance(a, jax.Array):
-            a = jax.device_put(a, self.device)
-        if _ArrayImpl is not None:
-            try:
-                return _ArrayImpl(a.aval, self.sharding, [a], committed=True, _skip_checks=True)
-            except Exception:
-                pass
-        return jax.make_array_from_single_device_arrays(a.shape, self.sharding, [a])
-
-    def __call__(self, *args):
-        outs = self.compiled(*[self.to_global(a) for a in args])
-        return [o.addressable_data(0) for o in outs]

@@ -2,14 +2,14 @@
 
 A LazyTensor has no data of its own: it points at a Storage (see Note [Values, storages and views]
 in graph.py), and a view tensor additionally carries the chain of view ops from that storage. All
-ATen ops on it land in ``torchacc.dispatch``.
+ATen ops on it land in ``torchacc.lazy.dispatch`` (which also installs ``__deepcopy__``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from torchacc.device import DEVICE_TYPE, register_backend
+from torchacc.lazy.device import DEVICE_TYPE, register_backend
 
 register_backend()
 _DEVICE = torch.device(DEVICE_TYPE, 0)
@@ -26,7 +26,7 @@ class LazyTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        raise RuntimeError("torchacc.dispatch not loaded")  # replaced by torchacc.dispatch
+        raise RuntimeError("torchacc.lazy.dispatch not loaded")  # replaced by it
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
@@ -45,11 +45,6 @@ class LazyTensor(torch.Tensor):
     def __reduce_ex__(self, protocol):
         # torch.save of a device tensor stores its CPU value (like torch_xla's xm.save)
         return torch.Tensor.__reduce_ex__(self.detach().cpu(), protocol)
-
-    def __deepcopy__(self, memo):
-        from torchacc import dispatch
-
-        return dispatch.deepcopy(self, memo)
 
 
 def _data_get(self):

@@ -1,4 +1,4 @@
-"""The pending graph: Values, Nodes and Storages.
+"""The graph IR both frontends record into: Values, Nodes, OpEntries and Storages.
 
 Note [Values, storages and views]
 A ``Value`` is one array of the step: either a device buffer (``array`` set, ``node`` None) or the
@@ -128,3 +128,21 @@ def live_storages():
     """
     _prune()
     return [st for st in (r() for r in _refs) if st is not None]
+
+
+# --------------------------------------------------------------------------------------------
+# descs: (shape, stride, dtype, storage_offset)
+
+
+def desc_of(t):
+    """The desc of a torch tensor (a meta tensor, typically)."""
+    return (tuple(t.shape), tuple(t.stride()), t.dtype, t.storage_offset())
+
+
+def contiguous_desc(shape, dtype):
+    """The desc of a fresh contiguous tensor of ``shape`` and ``dtype``."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return (tuple(shape), tuple(reversed(stride)), dtype, 0)

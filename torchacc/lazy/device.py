@@ -1,21 +1,16 @@
-"""The plugin's torch device: PrivateUse1 renamed to ``torchacc``, and the JAX device behind it.
+"""The plugin's torch device: PrivateUse1 renamed to ``torchacc`` (torch-side registration).
 
-Device choice (Note [Device choice]): ``TORCHACC_DEVICE`` = ``gpu``/``cuda``/``cpu`` forces a JAX
-platform; otherwise the first GPU JAX sees, else CPU. In a multi-process job each process uses its
-own local device (index = local rank), see torchacc/distributed.
+Which JAX device computes is torchacc/runtime/device.py's (Note [Device choice]).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
-import os
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
-from torchacc import _jaxconfig  # noqa: F401
-import jax  # noqa: E402
+from torchacc.runtime import device as _runtime_device
 
 DEVICE_TYPE = "torchacc"
 
@@ -49,7 +44,7 @@ class _BackendModule:
 
     @staticmethod
     def manual_seed_all(seed):
-        from torchacc import random
+        from torchacc.lazy import random  # (same stage; loaded by then)
 
         random.manual_seed(seed)
 
@@ -57,7 +52,7 @@ class _BackendModule:
 
     @staticmethod
     def synchronize(device=None):
-        from torchacc import execute
+        from torchacc.engine import execute
 
         execute.wait_device_ops()
 
@@ -85,32 +80,6 @@ def register_backend():
     _registered = True
 
 
-@functools.lru_cache(maxsize=None)
-def platform():
-    """The JAX platform torchacc runs on: 'gpu' or 'cpu'."""
-    from torchacc.distributed import runtime  # join a torchrun job before JAX starts its backends
-
-    runtime.maybe_initialize()  # (Note [Multi-process programs] in torchacc/distributed)
-    forced = os.environ.get("TORCHACC_DEVICE", "").lower()
-    if forced in ("gpu", "cuda"):
-        return "gpu"
-    if forced == "cpu":
-        return "cpu"
-    if forced:
-        raise ValueError(f"TORCHACC_DEVICE={forced!r}: expected 'gpu', 'cuda' or 'cpu'")
-    try:
-        return "gpu" if jax.devices("gpu") else "cpu"
-    except RuntimeError:
-        return "cpu"
-
-
-@functools.lru_cache(maxsize=None)
-def jax_device():
-    """The JAX device this process computes on (its local device in a multi-process job)."""
-    devices = jax.local_devices(backend=platform())
-    return devices[0]
-
-
 def device(index=0):
     """The torch device for torchacc tensors: ``torch.device('torchacc', index)``."""
     register_backend()
@@ -124,4 +93,4 @@ def device(index=0):
 
 def device_hw():
     """'GPU' or 'CPU', like torch_xla's xla_device_hw."""
-    return "GPU" if platform() == "gpu" else "CPU"
+    return _runtime_device.device_hw()

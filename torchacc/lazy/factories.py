@@ -7,7 +7,8 @@ them as ``empty`` followed by an in-place fill that the recorder handles like an
 
 import torch
 
-from torchacc import dispatch
+from torchacc.lazy import dispatch
+from torchacc.lowering import RULES
 
 _lib = torch.library.Library("aten", "IMPL")
 aten = torch.ops.aten
@@ -20,8 +21,6 @@ def _is_factory(op):
 
 
 def _register_factories():
-    from torchacc.lowering import RULES
-
     for op in list(RULES):
         if not _is_factory(op):
             continue

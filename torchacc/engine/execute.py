@@ -12,22 +12,15 @@ import gc
 import os
 import time
 
-import jax
-import ml_dtypes
 import numpy as np
-import torch
 
-from torchacc import compile as compiler
 from torchacc import metrics
-from torchacc.device import jax_device
-from torchacc.graph import Value, live_storages
+from torchacc import program as compiler
+from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
+from torchacc.ir import live_storages
 
 _last_outputs: list = []
 _last_sync_end = [None]
-
-
-def put(host_array):
-    return jax.device_put(host_array, jax_device())
 
 
 _after_sync: list = []
@@ -39,39 +32,11 @@ def after_sync(fn):
     return fn
 
 
-def _numpy_of(t):
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    if t.dtype == torch.uint32:
-        return t.view(torch.int32).numpy().view(np.uint32)
-    return t.numpy()
-
-
-def upload(host):
-    """A data Value on the device with a copy of the CPU tensor ``host``."""
-    from torchacc.dispatch import contiguous_desc
-
-    host = host.detach().contiguous()
-    start = time.perf_counter()
-    # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
-    array = put(np.array(_numpy_of(host), copy=True))
-    metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
-    metrics.counter_inc("TransferToDevice")
-    return Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
-
-
 def fetch(value, dtype):
     """A CPU tensor with ``value``'s data (running its graph first if it is pending)."""
     if value.node is not None:
         run([value], donate=False)
-    start = time.perf_counter()
-    host = np.array(value.array)
-    metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
-    metrics.counter_inc("TransferFromDevice")
-    if host.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
-    out = torch.from_numpy(host)
-    return out if out.dtype == dtype else out.to(dtype)
+    return read(value.array, dtype)
 
 
 def _donatable_fn():
@@ -92,6 +57,7 @@ def run(outputs, donate):
     ints = np.asarray(graph.ints, dtype=np.int64)
     args = [floats, ints] + [v.array for v in graph.inputs]
     exe = compiler.compiled_for(graph, args)
+    metrics.counter_inc("RecordedOps", len(graph.order))
     start = time.perf_counter()
     results = exe(*args)
     metrics.record_time("ExecuteTime", time.perf_counter() - start)

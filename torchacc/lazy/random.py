@@ -3,36 +3,24 @@
 The key lives in a Storage like a tensor's, so a sync carries it from step to step on the device:
 steps differ, and ``torch.manual_seed(s)`` (which calls ``manual_seed_all`` of the torchacc backend
 module) makes runs reproduce. Each random node takes the current key data as its last input and
-returns the next key data as its last output (the compiler splits the key; see compile.py).
+returns the next key data as its last output (the program splits the key: program/build.py).
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
-from torchacc.graph import Storage, Value
+from torchacc.engine.transfer import put
+from torchacc.ir import Storage, Value
+from torchacc.runtime.rng import key_data
 
 KEY_DESC = ((2,), (1,), torch.uint32, 0)
 _storage = None
 
 
-def _key_data(seed):
-    """Key data of ``jax.random.key(seed)`` (threefry2x32: the seed's high and low 32 bits),
-    computed on the host: ``torch.manual_seed`` runs every step in seeded training loops, and
-    building the key with JAX ops cost ~0.6 ms. tests/test_core_device.py checks it against JAX."""
-    from torchacc.device import platform
-
-    platform()  # first JAX use may be here (torch.manual_seed): join a torchrun job before it
-    seed &= 0xFFFFFFFFFFFFFFFF  # torch seeds are unsigned 64-bit; negative ones wrap as in JAX
-    return np.array([seed >> 32, seed & 0xFFFFFFFF], dtype=np.uint32)
-
-
 def manual_seed(seed):
     global _storage
-    from torchacc import execute
-
-    value = Value(KEY_DESC, array=execute.put(_key_data(int(seed))))
+    value = Value(KEY_DESC, array=put(key_data(int(seed))))
     if _storage is None:
         _storage = Storage(value, KEY_DESC)
     else:

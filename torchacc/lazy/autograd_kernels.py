@@ -13,7 +13,7 @@ double backward works. ``F.scaled_dot_product_attention`` is routed to the fused
 
 import torch
 
-from torchacc import ops
+from torchacc.lowering import custom_ops as ops
 
 _lib = torch.library.Library("aten", "IMPL")
 aten = torch.ops.aten

@@ -1,0 +1,195 @@
+"""The pipeline's layering stays true: imports flow one way, top to bottom, with no cycle.
+
+Parses every module of ``torchacc/`` (and ``torchacc_ops/`` when present) with ``ast``, imports
+inside functions included, and checks them against the stage order documented in
+docs/architecture.md. A module may import its own stage or any stage below it, never above.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.join(os.path.dirname(__file__), "..")
+
+# top to bottom (docs/architecture.md); a prefix names a package or a module
+STAGES = [
+    ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
+    ("launcher", ["torchacc.launch"]),
+    ("libraries", ["torchacc.amp", "torchacc.distributed", "torchacc_ops"]),
+    ("frontends", ["torchacc.lazy", "torchacc.dynamo"]),
+    ("engine", ["torchacc.engine"]),
+    ("program", ["torchacc.program"]),
+    ("ir", ["torchacc.ir"]),
+    ("runtime", ["torchacc.runtime"]),
+    ("lowering", ["torchacc.lowering"]),
+    ("base", ["torchacc.metrics", "torchacc._jaxconfig"]),
+]
+# frontends are independent of each other: the trace-once path reuses the stages below, not the
+# lazy recorder (and the other way round)
+SEPARATE = [("torchacc.dynamo", "torchacc.lazy"), ("torchacc.lazy", "torchacc.dynamo")]
+
+
+def _modules():
+    mods = {}
+    for package in ("torchacc", "torchacc_ops"):
+        base = os.path.join(ROOT, package)
+        if not os.path.isdir(base):
+            continue
+        for dirpath, _, files in os.walk(base):
+            for f in files:
+                if not f.endswith(".py"):
+                    continue
+                path = os.path.join(dirpath, f)
+                rel = os.path.relpath(path, ROOT)[:-3].replace(os.sep, ".")
+                name = rel[: -len(".__init__")] if rel.endswith(".__init__") else rel
+                mods[name] = path
+    return mods
+
+
+MODULES = _modules()
+
+
+def _resolve(name):
+    """The module an imported dotted name refers to (a module, else its package)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(name, path):
+    tree = ast.parse(open(path).read(), path)
+    is_package = path.endswith("__init__.py")
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                found.add(_resolve(alias.name))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = name.split(".")
+                keep = len(parts) - node.level + (1 if is_package else 0)
+                base = ".".join(parts[:keep] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            for alias in node.names:
+                target = f"{base}.{alias.name}"
+                found.add(_resolve(target) if target in MODULES else _resolve(base))
+    found.discard(None)
+    found.discard(name)
+    return found
+
+
+GRAPH = {name: _imports(name, path) for name, path in MODULES.items()}
+
+
+def _stage(module):
+    best, best_len = None, -1
+    for rank, (_, prefixes) in enumerate(STAGES):
+        for p in prefixes:
+            if (module == p or module.startswith(p + ".")) and len(p) > best_len:
+                best, best_len = rank, len(p)
+    return best
+
+
+def test_every_module_has_a_stage():
+    assert [m for m in MODULES if _stage(m) is None] == []
+
+
+def test_imports_go_down_the_stages():
+    wrong = []
+    for mod, deps in GRAPH.items():
+        for dep in deps:
+            if _stage(dep) < _stage(mod):
+                wrong.append(
+                    f"{mod} ({STAGES[_stage(mod)][0]}) imports {dep} ({STAGES[_stage(dep)][0]})"
+                )
+    assert wrong == []
+
+
+@pytest.mark.parametrize("importer,forbidden", SEPARATE)
+def test_frontends_are_independent(importer, forbidden):
+    wrong = [
+        f"{mod} imports {dep}"
+        for mod, deps in GRAPH.items()
+        if mod.startswith(importer)
+        for dep in deps
+        if dep.startswith(forbidden)
+    ]
+    assert wrong == []
+
+
+def _cycles():
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on_stack, out = {}, {}, [], set(), []
+    counter = [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on_stack.add(v)
+        for w in GRAPH.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(GRAPH):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle():
+    # a package's __init__ re-exporting its submodules is not a cycle of the pipeline
+    cycles = [c for c in _cycles() if not _only_package_reexports(c)]
+    assert cycles == []
+
+
+def _only_package_reexports(component):
+    packages = [m for m in component if MODULES[m].endswith("__init__.py")]
+    if not packages:
+        return False
+    # the cycle goes only through packages importing their own submodules and back
+    rest = [m for m in component if m not in packages]
+    return all(any(m.startswith(p + ".") for p in packages) for m in rest) and all(
+        not any(
+            d in component and not d.startswith(m) and not m.startswith(d)
+            for d in GRAPH[m]
+            if d not in packages
+        )
+        for m in rest
+    )
+
+
+def test_no_module_outside_the_rule_tables_is_long():
+    long = []
+    for name, path in MODULES.items():
+        if name.startswith("torchacc.lowering."):
+            continue  # rule tables: one decorated function per overload
+        n = sum(1 for _ in open(path))
+        if n > 550:
+            long.append(f"{name}: {n} lines")
+    assert long == []
+
+
+def test_the_checker_sees_function_level_imports():
+    # guards the parser itself: a known function-level import must be found
+    src = "def f():\n    from torchacc.engine import execute\n"
+    tree = ast.parse(src)
+    assert any(isinstance(n, ast.ImportFrom) for n in ast.walk(tree))
+    assert "torchacc.engine.execute" in GRAPH["torchacc.lazy.transfer"]

@@ -1,0 +1,13 @@
+"""Stage: the graph IR (Note [Values, storages and views] in graph.py)."""
+
+from torchacc.ir.graph import (  # noqa: F401
+    Node,
+    OpEntry,
+    ScalarSlot,
+    Storage,
+    TensorSlot,
+    Value,
+    contiguous_desc,
+    desc_of,
+    live_storages,
+)

@@ -1,0 +1,15 @@
+"""Stage: pending graph -> structural key -> one jitted JAX program, cached in memory and on disk.
+
+- ``key``: the nodes a sync needs, in order, their inputs, donations and the structural key;
+- ``build``: the pure JAX function that replays the nodes' lowering rules;
+- ``cache``: compile on a miss (``jax.jit``, or an SPMD program with ``spmd``), in-memory and
+  persistent caches, compile metrics.
+"""
+
+from torchacc.program.cache import (  # noqa: F401
+    cache_size,
+    compiled_for,
+    enable_persistent_cache,
+    memory_hits,
+)
+from torchacc.program.key import Graph, explain_miss  # noqa: F401

@@ -1,0 +1,117 @@
+"""A Graph -> a pure JAX function replaying its nodes' lowering rules (what jax.jit compiles)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchacc.ir import ScalarSlot, TensorSlot
+from torchacc.lowering.dtypes import jdtype
+
+
+def _fill(t, env, scalars):
+    tp = type(t)
+    if tp is TensorSlot:
+        return env[t]
+    if tp is ScalarSlot:
+        return scalars[t]
+    if tp is list or tp is tuple:
+        return [_fill(x, env, scalars) for x in t]
+    if tp is dict:
+        return {k: _fill(v, env, scalars) for k, v in t.items()}
+    return t
+
+
+def program_of(graph):
+    """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules."""
+
+    steps = []
+    fpos = ipos = 0
+    base = len(graph.inputs)  # first slot of the node's outputs (Graph's numbering)
+    for node, in_ids in zip(graph.order, graph.key[1][1::2]):
+        op = node.op
+        slots = []
+        for s in node.scalars:
+            if type(s) is int or type(s) is bool:
+                slots.append(("i", ipos))
+                ipos += 1
+            else:
+                slots.append(("f", fpos))
+                fpos += 1
+        out_ids = [None if d is None else base + j for j, d in enumerate(op.descs)]
+        base += len(op.descs)
+        kinds = _scalar_kinds(node)
+        steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs))
+    out_ids = list(graph.out_slots)
+    nslots = base
+
+    def program(floats, ints, *arrays):
+        env = list(arrays)
+        env.extend([None] * (nslots - len(env)))
+        for rule, args, kwargs, in_ids, slots, kinds, outs, descs in steps:
+            ins = [env[i] for i in in_ids]
+            sc = []
+            for (vec, pos), kind in zip(slots, kinds):
+                x = (floats if vec == "f" else ints)[pos]
+                sc.append(x.astype(kind) if kind is not None else x)
+            extra = {}
+            n = len(descs)
+            if rule.rng:
+                key = jax.random.wrap_key_data(ins[-1])
+                key, sub = jax.random.split(key)
+                extra["rng"] = sub
+                n -= 1
+            if rule.out_meta:
+                extra["out"] = [None if d is None else (d[0], jdtype(d[2])) for d in descs[:n]]
+            result = rule.fn(*_fill(args, ins, sc), **_fill(kwargs, ins, sc), **extra)
+            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            if len(results) != n:
+                raise RuntimeError(
+                    f"torchacc: lowering of {rule.name} returned {len(results)} "
+                    f"outputs, PyTorch's op has {n}"
+                )
+            for slot, r, d in zip(outs, results, descs):
+                if slot is None:
+                    continue
+                if r is None:
+                    raise RuntimeError(
+                        f"torchacc: lowering of {rule.name} returned None for an "
+                        "output PyTorch's meta kernel produces"
+                    )
+                r = jnp.asarray(r)
+                if r.shape != d[0]:
+                    raise RuntimeError(
+                        f"torchacc: lowering of {rule.name} gave shape {r.shape}, "
+                        f"PyTorch's meta kernel says {d[0]}"
+                    )
+                env[slot] = r.astype(jdtype(d[2])) if r.dtype != jdtype(d[2]) else r
+            if rule.rng:
+                env[outs[-1]] = jax.random.key_data(key)
+        return [env[i] for i in out_ids]
+
+    return program
+
+
+def _scalar_kinds(node):
+    """Per runtime scalar: the dtype a CPU 0-dim tensor had, else None (keep float64/int64)."""
+    kinds = []
+    for part in node.op.key:
+        if type(part) is tuple and len(part) == 2 and part[0] == "cpu0":
+            kinds.append(jdtype(part[1]))
+        elif type(part) is tuple and len(part) == 2 and part[0] == "wrapped":
+            kinds.append(_wrapped_dtype(part[1], node))
+        elif part is float or part is int:
+            kinds.append(None)
+    return kinds
+
+
+def _wrapped_dtype(kind, node):
+    """dtype of a Python number standing for a tensor: the partner tensor's dtype when they are of
+    the same category (torch's wrapped-number promotion), else torch's default for the number."""
+    ref = node.inputs[0].desc[2] if node.inputs else None
+    if kind is float:
+        same = ref is not None and ref.is_floating_point
+        return jdtype(ref if same else torch.get_default_dtype())
+    same = ref is not None and not ref.is_floating_point and ref != torch.bool
+    return jdtype(ref if same else torch.int64)

@@ -1,0 +1,77 @@
+"""Compiled programs: the in-memory cache by structural key, and JAX's persistent cache on disk.
+
+Note [What a compiled step is keyed on] is in key.py.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+
+from torchacc import metrics
+from torchacc.program import spmd  # Note [Multi-process programs]
+from torchacc.program.build import program_of
+from torchacc.program.key import explain_miss
+
+_cache: dict = {}
+_persistent_hits = [0]
+memory_hits = [0]  # executables reused from the in-memory cache (never reset by metrics)
+
+
+def _on_event(event, **kwargs):
+    if event == "/jax/compilation_cache/cache_hits":
+        _persistent_hits[0] += 1
+
+
+def enable_persistent_cache(path=None):
+    """Keep compiled programs under ``path`` (TORCHACC_CACHE_DIR, default ~/.cache/torchacc)."""
+    path = (
+        path
+        or os.environ.get("TORCHACC_CACHE_DIR")
+        or os.path.join(os.path.expanduser("~"), ".cache", "torchacc")
+    )
+    if path.lower() in ("0", "off", "none"):
+        return None
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+jax.monitoring.register_event_listener(_on_event)
+
+
+def compiled_for(graph, args):
+    """The executable for ``graph`` (compiling it on a cache miss)."""
+    exe = _cache.get(graph.key)
+    if exe is not None:
+        metrics.counter_inc("CachedCompile")
+        memory_hits[0] += 1
+        return exe
+    if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
+        print(
+            f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
+            f"{explain_miss(graph.key, _cache)}",
+            file=sys.stderr,
+        )
+    start = time.perf_counter()
+    hits = _persistent_hits[0]
+    donate = tuple(2 + i for i in graph.donate)
+    if spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process programs]
+        exe = spmd.compile_spmd(program_of(graph), args, donate)
+    else:
+        fn = jax.jit(program_of(graph), donate_argnums=donate)
+        exe = fn.lower(*args).compile()
+    metrics.record_time("CompileTime", time.perf_counter() - start)
+    metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
+    _cache[graph.key] = exe
+    return exe
+
+
+def cache_size():
+    """Number of executables in the in-memory cache."""
+    return len(_cache)

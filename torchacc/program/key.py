@@ -1,0 +1,134 @@
+"""A pending graph's nodes in order, its inputs and its structural key.
+
+Note [What a compiled step is keyed on]
+The key is the graph's structure: for every node its op and static signature (input shapes,
+strides, dtypes, static arguments, the *kinds* of its runtime scalars; stood for by the node's
+OpEntry, unique per signature so it compares and hashes by identity), how nodes connect, the
+inputs' shapes and dtypes, which outputs are returned and which inputs are donated. It never holds
+data or Python scalar values: scalars (learning rate, loss scale, bias corrections) are gathered
+into two runtime vectors, one float64 and one int64, so a schedule that changes them every step
+reuses the same executable.
+"""
+
+from __future__ import annotations
+
+
+class Graph:
+    """The nodes needed to compute ``outputs``, in topological order, and their inputs.
+
+    Slots number the program's arrays: inputs first, then each node's outputs in order (one slot
+    per output desc of its OpEntry). ``key[1]`` alternates each node's OpEntry and the slots of its
+    inputs."""
+
+    __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate", "out_slots")
+
+    def __init__(self, outputs, donatable=None):
+        order, inputs = _collect(outputs)
+        slot = {id(v): i for i, v in enumerate(inputs)}  # input Value or node -> (first) slot
+        nslots = len(inputs)
+        parts = []
+        floats, ints = [], []
+        for node in order:
+            op = node.op
+            ins = tuple(
+                [slot[id(v)] if v.node is None else slot[id(v.node)] + v.index for v in node.inputs]
+            )
+            parts.append(op)  # OpEntries are unique per signature: equality is identity, hash is id
+            parts.append(ins)
+            slot[id(node)] = nslots
+            nslots += len(op.descs)
+            for s in node.scalars:
+                (ints if type(s) is int or type(s) is bool else floats).append(s)
+        self.order = order
+        self.inputs = inputs
+        self.outputs = outputs
+        self.floats = floats
+        self.ints = ints
+        self.out_slots = out_slots = tuple(slot[id(v.node)] + v.index for v in outputs)
+        self.donate = _donations(inputs, outputs, donatable) if donatable else ()
+        in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
+        self.key = (in_avals, tuple(parts), out_slots, self.donate)
+
+
+def _donations(inputs, outputs, donatable):
+    """Positions of inputs whose buffers an output of the same shape and dtype can take over.
+
+    Only as many inputs of a given shape/dtype are donated as there are outputs of it: XLA could
+    not use the others (and JAX would warn on every compile)."""
+    free = {}
+    for v in outputs:
+        aval = (v.desc[0], v.desc[2])
+        free[aval] = free.get(aval, 0) + 1
+    donate = []
+    for i, v in enumerate(inputs):
+        aval = (v.desc[0], v.desc[2])
+        if free.get(aval, 0) > 0 and donatable(v):
+            free[aval] -= 1
+            donate.append(i)
+    return tuple(donate)
+
+
+def _collect(outputs):
+    """Topological order of pending nodes reachable from ``outputs``, and the input Values."""
+    order, inputs = [], []
+    seen = set()
+    seen_inputs = set()
+    for root in outputs:
+        if root.node is None or id(root.node) in seen:
+            continue
+        stack = [(root.node, 0)]
+        seen.add(id(root.node))
+        while stack:
+            node, i = stack[-1]
+            ins = node.inputs
+            while i < len(ins):
+                v = ins[i]
+                i += 1
+                n = v.node
+                if n is None:
+                    if id(v) not in seen_inputs:
+                        seen_inputs.add(id(v))
+                        inputs.append(v)
+                elif id(n) not in seen:
+                    seen.add(id(n))
+                    stack[-1] = (node, i)
+                    stack.append((n, 0))
+                    break
+            else:
+                stack.pop()
+                order.append(node)
+    return order, inputs
+
+
+def explain_miss(key, cached):
+    """Why ``key`` is not among the ``cached`` keys: the nearest one and what differs."""
+    if not cached:
+        return "first graph"
+    in_avals, parts, out_ids, donate = key
+    best, best_score = None, -1
+    for other in cached:
+        score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a == b)
+        if other[0] == in_avals:
+            score += 1
+        if score > best_score:
+            best, best_score = other, score
+    o_avals, o_parts = best[0], best[1]
+    if len(o_avals) != len(in_avals):
+        return f"{len(in_avals)} inputs vs {len(o_avals)} in the nearest cached graph"
+    for i, (a, b) in enumerate(zip(in_avals, o_avals)):
+        if a != b:
+            return (
+                f"input {i} has shape {tuple(a[0])} dtype {a[1]}; nearest cached graph had "
+                f"shape {tuple(b[0])} dtype {b[1]}"
+            )
+    for i, (a, b) in enumerate(zip(parts[::2], o_parts[::2])):
+        a, b = a.key, b.key
+        if a != b:
+            if a[0] != b[0]:
+                return f"op {i} is {a[0]}; nearest cached graph has {b[0]} there"
+            return f"op {i} ({a[0]}) has different arguments: {a[1:]} vs {b[1:]}"
+    if len(parts) != len(o_parts):
+        return f"{len(parts) // 2} ops vs {len(o_parts) // 2} in the nearest cached graph"
+    if out_ids != best[2]:
+        return "the same ops, but different tensors are live at the sync"
+    return "the same graph with different donated buffers"
