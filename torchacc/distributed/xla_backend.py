@@ -30,6 +30,7 @@ from torchacc.distributed import collectives
 from torchacc.engine import execute
 from torchacc.lazy.record import value_of
 from torchacc.lazy.tensor import LazyTensor
+from torchacc.lazy.transfer import to_device as _upload
 from torchacc.runtime import processes as runtime
 
 BACKEND_NAME = "xla"
@@ -268,7 +269,7 @@ def _via_device(method):
 
         def to_device(x):
             if isinstance(x, torch.Tensor) and not isinstance(x, LazyTensor):
-                d = to_device(x)
+                d = _upload(x)
                 pairs.append((x, d))
                 return d
             if isinstance(x, (list, tuple)):

@@ -226,6 +226,9 @@ def make_mutation_handler(func, handler_of, fallback):
     def get_arg(args, kwargs, i):
         return args[i] if i < len(args) else kwargs.get(schema_args[i].name)
 
+    if mode == "inplace" and lookup(functional) is not None and _returns_lists(functional):
+        return _list_update_handler(func, functional, names, fallback)
+
     if mode == "inplace" and lookup(functional) is not None:
 
         def inplace(_, args, kwargs):  # hot path: no throwaway result tensor
@@ -293,3 +296,40 @@ def write_back(target, result, func):
             f"{tuple(result.shape)}; resizing torchacc tensors in place is not supported"
         )
     assign(target, value_of(result))
+
+
+def _returns_lists(op):
+    rets = op._schema.returns
+    return len(rets) > 1 and all(str(r.type) == "List[Tensor]" for r in rets)
+
+
+# An argument list the op writes only when another argument is given: fused optimizers write the
+# unscaled gradients back only with a ``grad_scale`` (else ``grads`` is unchanged, and writing it
+# back would make every gradient an output of the step's program).
+_WRITTEN_ONLY_WITH = {"grads": "grad_scale"}
+
+
+def _list_update_handler(func, functional, names, fallback):
+    """In-place ops that update several tensor lists (``_fused_adamw_`` & co.): one node of the
+    functional twin, whose output lists are the new values of the mutated lists, in order."""
+
+    def handler(_, args, kwargs):
+        try:
+            vals, op = record_values(functional, args, kwargs)
+        except NeedsFallback:
+            return fallback(func, args, kwargs)
+        start = 0
+        for i, (name, n) in enumerate(zip(names, op.kind)):
+            outs = vals[start : start + n]
+            start += n
+            needs = _WRITTEN_ONLY_WITH.get(name)
+            if needs is not None and kwargs.get(needs) is None:
+                continue
+            targets = args[i] if i < len(args) else kwargs[name]
+            for t, v in zip(targets, outs):
+                if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
+                    write_back(t, wrap([v], op), func)  # raises the device or resize error
+                assign(t, v)
+        return None
+
+    return handler

@@ -58,7 +58,9 @@ class Meta:
 
     def __init__(self, descs, kind):
         self.descs = descs
-        self.kind = kind  # "one", "tuple", "list", "none"
+        # "one", "tuple", "list", "none", or a tuple of list lengths: a tuple of tensor lists
+        # (fused optimizers), whose descs are flattened in order
+        self.kind = kind
 
 
 class NeedsFallback(Exception):
@@ -73,6 +75,9 @@ def _compute_meta(func, args, kwargs):
     try:
         out = func(*margs, **mkwargs)
     except (NotImplementedError, torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
+        mirrored = _mirrored_lists_meta(func, margs)
+        if mirrored is not None:
+            return mirrored
         raise NeedsFallback(str(e)) from e
     except RuntimeError as e:
         msg = str(e)
@@ -89,7 +94,22 @@ def _compute_meta(func, args, kwargs):
         # backward ops with an output_mask return None in the masked positions
         descs = tuple(None if o is None else desc_of(o) for o in out)
         return Meta(descs, "tuple" if isinstance(out, tuple) else "list")
+    if isinstance(out, tuple) and all(isinstance(o, list) for o in out):
+        if all(isinstance(t, torch.Tensor) for o in out for t in o):
+            return Meta(tuple(desc_of(t) for o in out for t in o), tuple(len(o) for o in out))
     raise NeedsFallback(f"{func} returns {type(out).__name__}")
+
+
+def _mirrored_lists_meta(func, margs):
+    """Meta of a functional list-update op whose k output lists are the new values of its first
+    k list arguments (``_fused_sgd``: torch has no meta kernel for it)."""
+    rets = func._schema.returns
+    if not rets or any(str(r.type) != "List[Tensor]" for r in rets) or len(margs) < len(rets):
+        return None
+    lists = margs[: len(rets)]
+    if not all(isinstance(x, list) for x in lists):
+        return None
+    return Meta(tuple(desc_of(t) for x in lists for t in x), tuple(len(x) for x in lists))
 
 
 # --------------------------------------------------------------------------------------------
@@ -298,6 +318,12 @@ def pack(items, kind):
         return tuple(items)
     if kind == "list":
         return items
+    if type(kind) is tuple:  # a tuple of lists
+        out, start = [], 0
+        for n in kind:
+            out.append(items[start : start + n])
+            start += n
+        return tuple(out)
     return None
 
 

@@ -42,14 +42,15 @@ def program_of(graph):
         out_ids = [None if d is None else base + j for j, d in enumerate(op.descs)]
         base += len(op.descs)
         kinds = _scalar_kinds(node)
-        steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs))
+        nested = type(op.kind) is tuple  # a tuple of lists (fused optimizers): flattened in order
+        steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs, nested))
     out_ids = list(graph.out_slots)
     nslots = base
 
     def program(floats, ints, *arrays):
         env = list(arrays)
         env.extend([None] * (nslots - len(env)))
-        for rule, args, kwargs, in_ids, slots, kinds, outs, descs in steps:
+        for rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested in steps:
             ins = [env[i] for i in in_ids]
             sc = []
             for (vec, pos), kind in zip(slots, kinds):
@@ -65,7 +66,12 @@ def program_of(graph):
             if rule.out_meta:
                 extra["out"] = [None if d is None else (d[0], jdtype(d[2])) for d in descs[:n]]
             result = rule.fn(*_fill(args, ins, sc), **_fill(kwargs, ins, sc), **extra)
-            results = list(result) if isinstance(result, (tuple, list)) else [result]
+            if nested:
+                results = [r for part in result for r in part]
+            elif isinstance(result, (tuple, list)):
+                results = list(result)
+            else:
+                results = [result]
             if len(results) != n:
                 raise RuntimeError(
                     f"torchacc: lowering of {rule.name} returned {len(results)} "

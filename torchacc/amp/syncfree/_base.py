@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from torchacc.lazy.tensor import LazyTensor
+
 
 def check_options(fused):
     if fused:
@@ -39,6 +41,42 @@ def as_scalar(x):
     if isinstance(x, torch.Tensor) and x.device.type == "cpu" and x.numel() == 1:
         return x.item()
     return x
+
+
+# Note [Fused optimizer steps]
+# A parameter group whose parameters, gradients and hyperparameters live where the fused kernels
+# expect them (torchacc tensors, dense, real; Python or 1-element device hyperparameters) is updated
+# by one ``torch._fused_adam_``/``_fused_adamw_``/``_fused_sgd_`` call: the recorder makes that a
+# single node for the whole group (torchacc/lowering/optim.py), where the per-parameter path
+# records ~15 ops per parameter. ``found_inf`` goes to the fused op, which leaves everything
+# unchanged on the device when it is set; the step counts advance by ``1 - (found_inf > 0)`` so a
+# skipped step does not count, as before. Other groups keep the per-parameter path.
+
+
+def fusable(params, lr, hyper, found_inf):
+    """Whether a group can take the fused path (Note [Fused optimizer steps]): torchacc tensors,
+    a Python or torchacc-tensor learning rate, Python numbers for the other hyperparameters."""
+    if not params:
+        return False
+    for p in params:
+        if type(p) is not LazyTensor or p.grad.is_sparse or torch.is_complex(p):
+            return False
+    if isinstance(lr, torch.Tensor) and type(lr) is not LazyTensor:
+        return False
+    if any(isinstance(x, torch.Tensor) for x in hyper):
+        return False
+    return found_inf is None or type(found_inf) is LazyTensor
+
+
+def advance_steps(steps, found_inf):
+    """Add one to every step count, or ``1 - (found_inf > 0)`` when a skip is possible."""
+    if found_inf is None:
+        torch._foreach_add_(steps, 1.0)
+    else:
+        # a list: given one 0-dim tensor, torch's binding picks the Scalar overload and reads it
+        # on the host
+        applied = (found_inf <= 0).to(torch.float32)
+        torch._foreach_add_(steps, [applied] * len(steps))
 
 
 def new_step(param):

@@ -7,9 +7,11 @@ import torch
 
 from torchacc.amp.syncfree._base import (
     SyncFreeOptimizer,
+    advance_steps,
     as_scalar,
     check_options,
     commit,
+    fusable,
     new_step,
     skip_flag,
 )
@@ -105,6 +107,8 @@ class Adam(SyncFreeOptimizer):
             eps = group["eps"]
             weight_decay = group["weight_decay"]
             amsgrad = group["amsgrad"]
+            if self._fused_step(group, lr, beta1, beta2, eps, weight_decay, amsgrad, found_inf):
+                continue
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -127,6 +131,34 @@ class Adam(SyncFreeOptimizer):
                     group["decoupled_weight_decay"],
                 )
         return loss
+
+    def _fused_step(self, group, lr, beta1, beta2, eps, weight_decay, amsgrad, found_inf):
+        """The group's update as one fused node (Note [Fused optimizer steps] in _base.py);
+        False when the group needs the per-parameter path."""
+        params = [p for p in group["params"] if p.grad is not None]
+        if not fusable(params, lr, (beta1, beta2, eps, weight_decay), found_inf):
+            return False
+        states = [self._init_state(p, amsgrad) for p in params]
+        steps = [s["step"] for s in states]
+        advance_steps(steps, found_inf)
+        fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
+        fused(
+            params,
+            [p.grad for p in params],
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["max_exp_avg_sq"] for s in states] if amsgrad else [],
+            steps,
+            lr=lr,
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=weight_decay,
+            eps=eps,
+            amsgrad=amsgrad,
+            maximize=group["maximize"],
+            found_inf=found_inf,
+        )
+        return True
 
     @staticmethod
     def _update(p, state, skip, lr, beta1, beta2, eps, weight_decay, amsgrad, maximize, decoupled):

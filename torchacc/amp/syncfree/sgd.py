@@ -6,9 +6,11 @@ import torch
 
 from torchacc.amp.syncfree._base import (
     SyncFreeOptimizer,
+    advance_steps,
     as_scalar,
     check_options,
     commit,
+    fusable,
     new_step,
     skip_flag,
 )
@@ -88,6 +90,8 @@ class SGD(SyncFreeOptimizer):
             momentum = group["momentum"]
             dampening = group["dampening"]
             weight_decay = as_scalar(group["weight_decay"])
+            if self._fused_step(group, lr, momentum, dampening, weight_decay, found_inf):
+                continue
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -118,3 +122,42 @@ class SGD(SyncFreeOptimizer):
                     new_p = p.add(grad, alpha=-lr)
                 commit(p, new_p, skip)
         return loss
+
+    def _fused_step(self, group, lr, momentum, dampening, weight_decay, found_inf):
+        """The group's update as one fused node (Note [Fused optimizer steps] in _base.py). The
+        first applied step must set the momentum buffer to the gradient: with dampening 0 that is
+        what ``momentum * 0 + grad`` gives from the zero buffer, so only dampening != 0 with
+        momentum keeps the per-parameter path (which decides it on the device)."""
+        params = [p for p in group["params"] if p.grad is not None]
+        hyper = (momentum, dampening, weight_decay)
+        if (momentum != 0 and dampening != 0) or not fusable(params, lr, hyper, found_inf):
+            return False
+        buffers = []
+        if momentum != 0:
+            steps = []
+            for p in params:
+                state = self.state[p]
+                if state.get("momentum_buffer") is None:
+                    state["momentum_buffer"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format
+                    )
+                    state["step"] = new_step(p)
+                elif "step" not in state:  # a torch.optim.SGD state: buffer already set
+                    state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+                buffers.append(state["momentum_buffer"])
+                steps.append(state["step"])
+            advance_steps(steps, found_inf)
+        torch._fused_sgd_(
+            params,
+            [p.grad for p in params],
+            buffers,
+            weight_decay=weight_decay,
+            momentum=momentum,
+            lr=lr,
+            dampening=dampening,
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            is_first_step=False,
+            found_inf=found_inf,
+        )
+        return True
