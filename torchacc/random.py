@@ -15,6 +15,7 @@ from torchacc.graph import Storage, Value
 
 KEY_DESC = ((2,), (1,), torch.uint32, 0)
 _storage = None
+_pending_seed = None  # set by manual_seed, turned into the key by state_value
 
 
 def _key_data(seed):
@@ -29,10 +30,21 @@ def _key_data(seed):
 
 
 def manual_seed(seed):
+    """Seed the device RNG (``torch.manual_seed`` calls this through the backend module).
+
+    Only the seed is kept here; the key is built when a random op first needs it
+    (:func:`state_value`). So ``torch.manual_seed`` in a script that merely imports torchacc does
+    not start JAX (nor join a torchrun job through ``platform()``): it behaves as without torchacc.
+    """
+    global _pending_seed
+    _pending_seed = int(seed)
+
+
+def _materialize(seed):
     global _storage
     from torchacc import execute
 
-    value = Value(KEY_DESC, array=execute.put(_key_data(int(seed))))
+    value = Value(KEY_DESC, array=execute.put(_key_data(seed)))
     if _storage is None:
         _storage = Storage(value, KEY_DESC)
     else:
@@ -40,8 +52,12 @@ def manual_seed(seed):
 
 
 def state_value():
-    if _storage is None:
-        manual_seed(torch.initial_seed())
+    global _pending_seed
+    if _pending_seed is not None:
+        seed, _pending_seed = _pending_seed, None
+        _materialize(seed)
+    elif _storage is None:
+        _materialize(torch.initial_seed())
     return _storage.value
 
 
