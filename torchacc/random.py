@@ -64,3 +64,17 @@ def state_value():
 def advance(node, index):
     """Register output ``index`` of random ``node`` as the next key."""
     _storage.write(Value(KEY_DESC, node, index))
+
+
+def get_state():
+    """The device RNG state as a Value (no host transfer): give it to :func:`set_state` to replay
+    the same random numbers (activation checkpointing's recompute does)."""
+    return state_value()
+
+
+def set_state(value):
+    """Make ``value`` (from :func:`get_state`) the device RNG state."""
+    global _pending_seed
+    state_value()  # the storage exists (and a pending seed is superseded)
+    _pending_seed = None
+    _storage.write(value)
