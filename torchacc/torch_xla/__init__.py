@@ -86,6 +86,9 @@ def launch(fn, args=(), start_method="spawn", debug_single_process=False):
     return xla_multiprocessing.spawn(fn, args=args, nprocs=None, start_method=start_method)
 
 
+# torch_xla._XLAC and torch_xla.runtime are attributes right after `import torch_xla`
+from torchacc.torch_xla import _XLAC, runtime  # noqa: E402, F401
+
 __all__ = [
     "compile",
     "device",
