@@ -16,7 +16,7 @@ import itertools
 import torch
 
 import torchacc
-from torchacc.torch_xla._api import not_implemented_class
+from torchacc.torch_xla._api import differs, not_implemented_class
 
 
 class XLACNotImplementedError(NotImplementedError, AttributeError):
@@ -35,6 +35,7 @@ def __getattr__(name):
 # --- steps and devices ------------------------------------------------------------------------
 
 
+@differs("syncs everything pending (one program), which includes the tensors")
 def _xla_sync_multi(tensors, devices=(), wait=True, sync_xla_data=True):
     """Compute ``tensors``: torchacc syncs everything pending (one program), which includes them."""
     torchacc.sync(wait=wait)

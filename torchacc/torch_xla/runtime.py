@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torchacc
+from torchacc.torch_xla._api import differs
 from torchacc.torch_xla.core import xla_model as _xm
 
 
@@ -52,6 +53,7 @@ def device_type():
     return "CUDA" if torchacc.device_hw() == "GPU" else "CPU"
 
 
+@differs("JAX's persistent compilation cache; readonly is ignored")
 def initialize_cache(path, readonly=False):
     """Keep compiled programs under ``path`` (persistent across runs). ``readonly`` is accepted
     for compatibility; the cache is always written."""
@@ -104,10 +106,10 @@ _DEVICE_TYPES = {"CPU": "cpu", "CUDA": "gpu", "GPU": "gpu"}
 def set_device_type(pjrt_device):
     """Choose the device type (``'CPU'``, ``'CUDA'``/``'GPU'``) before the device is first used:
     sets ``TORCHACC_DEVICE`` (torch_xla sets ``PJRT_DEVICE``)."""
+    import importlib
     import os
 
-    from torchacc import device as _device
-
+    _device = importlib.import_module("torchacc.device")  # (torchacc.device is also a function)
     kind = _DEVICE_TYPES.get(str(pjrt_device).upper())
     if kind is None:
         raise NotImplementedError(
@@ -126,6 +128,7 @@ def is_spmd():
     return False
 
 
+@differs("raises NotImplementedError: no SPMD partitioner (one device per process)")
 def use_spmd(auto=False):
     raise NotImplementedError(
         "torchacc does not implement torch_xla SPMD (use_spmd); use one "

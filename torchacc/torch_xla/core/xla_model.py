@@ -21,7 +21,7 @@ import torch
 import torchacc
 from torchacc import execute as _execute
 from torchacc import metrics  # noqa: F401  (xm users reach metrics through torch_xla.debug)
-from torchacc.torch_xla._api import not_implemented
+from torchacc.torch_xla._api import differs, not_implemented
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -130,6 +130,7 @@ def master_print(*args, fd=sys.stdout, local=False, flush=False):
 # devices
 
 
+@differs("n must be None/0: one device per process")
 def xla_device(n=None, devkind=None):
     """The torchacc device of this process (``n`` may only be ``None``/0: one device each)."""
     if devkind not in (None, "GPU", "CUDA", "CPU", "TPU"):
@@ -161,6 +162,7 @@ def is_xla_tensor(tensor):
 _replication = []
 
 
+@differs("one device per process: devices may only be [device]")
 def set_replication(device, devices):
     """Declare the devices this process replicates over (the seed calls it with ``[device]``).
 

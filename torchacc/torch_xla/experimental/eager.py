@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import contextlib
 
+from torchacc.torch_xla._api import differs
+
 
 def _refuse(call):
     raise NotImplementedError(
@@ -17,6 +19,7 @@ def _refuse(call):
     )
 
 
+@differs("always lazy: eager_mode(True) raises NotImplementedError")
 def eager_mode(enable):
     if enable:
         _refuse("torch_xla.experimental.eager_mode(True)")
@@ -26,6 +29,7 @@ def is_eager_mode():
     return False
 
 
+@differs("always lazy: eager_mode_context(True) raises NotImplementedError")
 @contextlib.contextmanager
 def eager_mode_context(enable):
     if enable:
