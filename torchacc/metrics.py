@@ -17,6 +17,7 @@ from collections import defaultdict
 
 _counters: dict = defaultdict(int)
 _timings: dict = defaultdict(list)
+_stamps: dict = defaultdict(list)  # wall-clock time (time.time()) of each timing sample
 
 
 def counter_inc(name, n=1):
@@ -34,6 +35,7 @@ def counter_names():
 
 def record_time(name, seconds):
     _timings[name].append(seconds)
+    _stamps[name].append(time.time())
 
 
 @contextlib.contextmanager
@@ -42,7 +44,7 @@ def timed(name):
     try:
         yield
     finally:
-        _timings[name].append(time.perf_counter() - start)
+        record_time(name, time.perf_counter() - start)
 
 
 def metric_names():
@@ -57,13 +59,24 @@ def metric_data(name):
     return len(samples), sum(samples), list(samples)
 
 
+def metric_samples(name):
+    """``[(wall-clock time, seconds), ...]`` of a timing (empty if it never fired)."""
+    return list(zip(_stamps.get(name, ()), _timings.get(name, ())))
+
+
 def executed_fallback_ops():
     return sorted(name for name in _counters if name.startswith("aten::"))
 
 
 def clear_all():
     _counters.clear()
+    clear_metrics()
+
+
+def clear_metrics():
+    """Forget the timings (counters stay)."""
     _timings.clear()
+    _stamps.clear()
 
 
 def clear_counters():

@@ -15,12 +15,26 @@ from torchacc.runtime import device as _runtime_device
 DEVICE_TYPE = "torchacc"
 
 
+# Note [torchacc is not torch.accelerator]
+# torch picks a registered PrivateUse1 backend as *the* accelerator (``torch.accelerator``) and asks
+# its module whether it is available. If it said yes, every script that merely imports torchacc
+# would change: ``DataLoader(pin_memory=True)`` (HF Trainer's default) asks the accelerator for a
+# pinned-memory allocator, which a Python backend cannot provide (torch 2.13's Python
+# PrivateUse1 hooks expose only is_available/has_primary_context/is_built), so it raised;
+# libraries that probe ``torch.accelerator`` would move models to a device the script never asked
+# for. torch_xla is not in torch's accelerator list, so it never had this. So the module reports
+# ``is_available() == False``: ``torch.accelerator.is_available()`` and pinning behave as without
+# torchacc (on a CUDA box pinning is skipped with torch's warning instead of targeting CUDA, because
+# torch prefers a registered PrivateUse1 backend over CUDA). Nothing in torch's paths that torchacc
+# uses needs it to be True: tensors, autocast, GradScaler and seeding go through the dispatcher and
+# the other module functions; ``torch.save`` of torchacc tensors writes CPU tensors.
 class _BackendModule:
     """What torch expects of ``torch.torchacc`` (AMP, seeding, availability)."""
 
     @staticmethod
     def is_available():
-        return True
+        # False on purpose (Note [torchacc is not torch.accelerator]).
+        return False
 
     @staticmethod
     def device_count():

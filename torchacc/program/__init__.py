@@ -8,6 +8,7 @@
 
 from torchacc.program.cache import (  # noqa: F401
     cache_size,
+    clear_memory_cache,
     compiled_for,
     enable_persistent_cache,
     memory_hits,

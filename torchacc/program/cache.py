@@ -72,6 +72,11 @@ def compiled_for(graph, args):
     return exe
 
 
+def clear_memory_cache():
+    """Forget the in-memory executables (a setting they baked in changed)."""
+    _cache.clear()
+
+
 def cache_size():
     """Number of executables in the in-memory cache."""
     return len(_cache)

@@ -14,6 +14,7 @@ import functools
 import torch
 
 import torchacc
+from torchacc.torch_xla._api import differs
 
 __version__ = "2.13.0+torchacc"
 
@@ -57,6 +58,7 @@ def step():
         sync()
 
 
+@differs("always lazy: the call is one recorded step, synced on return")
 def compile(f=None, full_graph=False, name=None, num_different_graphs_allowed=None):
     """torch_xla's eager-mode ``compile``: torchacc is always lazy, so the function body is simply
     one recorded step, synced when the call returns."""
@@ -78,6 +80,7 @@ def compile(f=None, full_graph=False, name=None, num_different_graphs_allowed=No
     return wrapper
 
 
+@differs("runs fn(index, *args) in this process; start processes with torchrun")
 def launch(fn, args=(), start_method="spawn", debug_single_process=False):
     """Run ``fn(index, *args)`` in this process (one process per device; start several with
     torchrun)."""
@@ -85,6 +88,9 @@ def launch(fn, args=(), start_method="spawn", debug_single_process=False):
 
     return xla_multiprocessing.spawn(fn, args=args, nprocs=None, start_method=start_method)
 
+
+# torch_xla._XLAC and torch_xla.runtime are attributes right after `import torch_xla`
+from torchacc.torch_xla import _XLAC, runtime  # noqa: E402, F401
 
 __all__ = [
     "compile",

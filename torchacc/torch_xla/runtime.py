@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torchacc
+from torchacc.torch_xla._api import differs
 from torchacc.torch_xla.core import xla_model as _xm
 
 
@@ -52,6 +53,7 @@ def device_type():
     return "CUDA" if torchacc.device_hw() == "GPU" else "CPU"
 
 
+@differs("JAX's persistent compilation cache; readonly is ignored")
 def initialize_cache(path, readonly=False):
     """Keep compiled programs under ``path`` (persistent across runs). ``readonly`` is accepted
     for compatibility; the cache is always written."""
@@ -60,10 +62,73 @@ def initialize_cache(path, readonly=False):
     return _compile.enable_persistent_cache(str(path))
 
 
+def addressable_runtime_device_count():
+    return 1
+
+
+def host_index():
+    """Index of this node (host) in the job."""
+    rank, _, local_rank, local_world = _xm.world_info()
+    return (rank - local_rank) // max(local_world, 1)
+
+
+def runtime_device_attributes(device=None):
+    """Attributes of this process's device (JAX's view of it)."""
+    dev = torchacc.jax_device()
+    return {"name": str(dev), "device_kind": dev.device_kind, "platform": dev.platform}
+
+
+def global_runtime_device_attributes():
+    return [runtime_device_attributes()] * global_runtime_device_count()
+
+
+def is_bf16_supported():
+    return True
+
+
+def get_master_ip():
+    """The job's master address (torchrun's ``MASTER_ADDR``; ``localhost`` for one process)."""
+    import os
+
+    return os.environ.get("MASTER_ADDR") or "localhost"
+
+
+def get_num_cached_compilation_graph():
+    """Number of compiled steps in the in-memory cache."""
+    from torchacc import program as _compile
+
+    return _compile.cache_size()
+
+
+_DEVICE_TYPES = {"CPU": "cpu", "CUDA": "gpu", "GPU": "gpu"}
+
+
+def set_device_type(pjrt_device):
+    """Choose the device type (``'CPU'``, ``'CUDA'``/``'GPU'``) before the device is first used:
+    sets ``TORCHACC_DEVICE`` (torch_xla sets ``PJRT_DEVICE``)."""
+    import importlib
+    import os
+
+    _device = importlib.import_module("torchacc.device")  # (torchacc.device is also a function)
+    kind = _DEVICE_TYPES.get(str(pjrt_device).upper())
+    if kind is None:
+        raise NotImplementedError(
+            f"xr.set_device_type({pjrt_device!r}): torchacc runs on 'CPU' or 'CUDA' (GPU) through "
+            "JAX; TPU and other PJRT devices are not supported"
+        )
+    if _device.platform.cache_info().currsize and _device.platform() != kind:
+        raise RuntimeError(
+            f"xr.set_device_type({pjrt_device!r}): the device is already initialized as "
+            f"{device_type()}; call set_device_type before the first device use"
+        )
+    os.environ["TORCHACC_DEVICE"] = kind
+
+
 def is_spmd():
     return False
 
 
+@differs("raises NotImplementedError: no SPMD partitioner (one device per process)")
 def use_spmd(auto=False):
     raise NotImplementedError(
         "torchacc does not implement torch_xla SPMD (use_spmd); use one "

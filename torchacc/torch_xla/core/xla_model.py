@@ -14,12 +14,14 @@ from __future__ import annotations
 import importlib
 import os
 import sys
+import time
 
 import torch
 
 import torchacc
 from torchacc import metrics  # noqa: F401  (xm users reach metrics through torch_xla.debug)
 from torchacc.engine import execute as _execute
+from torchacc.torch_xla._api import differs, not_implemented
 
 REDUCE_SUM = "sum"
 REDUCE_MUL = "mul"
@@ -128,6 +130,7 @@ def master_print(*args, fd=sys.stdout, local=False, flush=False):
 # devices
 
 
+@differs("n must be None/0: one device per process")
 def xla_device(n=None, devkind=None):
     """The torchacc device of this process (``n`` may only be ``None``/0: one device each)."""
     if devkind not in (None, "GPU", "CUDA", "CPU", "TPU"):
@@ -159,6 +162,7 @@ def is_xla_tensor(tensor):
 _replication = []
 
 
+@differs("one device per process: devices may only be [device]")
 def set_replication(device, devices):
     """Declare the devices this process replicates over (the seed calls it with ``[device]``).
 
@@ -190,19 +194,98 @@ def get_replication_devices():
 
 
 _step_closures: list = []
+_async_closures: list = []
 
 
 def add_step_closure(closure, args=(), run_async=False):
     """Run ``closure(*args)`` right after the next :func:`mark_step` has launched the step.
 
     Device tensors in ``args`` then hold this step's values (reading them, e.g. ``loss.item()``,
-    is a host transfer of an already computed buffer). ``run_async`` closures run in order too.
+    is a host transfer of an already computed buffer). Closures run in the order they were added.
+    ``run_async=True`` closures run on a worker thread (Note [Async step closures]).
     """
-    _step_closures.append((closure, args))
+    (_async_closures if run_async else _step_closures).append((closure, args))
+
+
+# Note [Async step closures]
+# As in torch_xla, ``add_step_closure(..., run_async=True)`` closures are handed at the next
+# mark_step to one worker thread that runs them in order while the host goes on tracing. If one
+# raises, the worker stops; the next mark_step that hands over async closures raises
+# ``RuntimeError("Cannot run asynchronous closure due to previously raised exception")`` from the
+# closure's exception (torch_xla's ``AsyncClosureHandler`` semantics). ``wait_async_closures()``
+# blocks until the queue is drained (torchacc helper; also used at interpreter exit).
+class _AsyncClosureRunner:
+    def __init__(self, max_queue=None):
+        import queue
+        import threading
+
+        size = int(os.environ.get("XLA_MAX_ASYNC_QUEUE", max_queue or 100))
+        self._queue = queue.Queue(size)
+        self._errors = queue.Queue()
+        self._lock = threading.Lock()
+        self._thread = None
+
+    def _loop(self):
+        import queue
+
+        while True:
+            try:
+                closure, args = self._queue.get(timeout=3)
+            except queue.Empty:
+                with self._lock:
+                    if self._queue.empty():
+                        self._thread = None
+                        return
+                continue
+            try:
+                closure(*args)
+            except BaseException as e:  # reraised on the main thread at the next handover
+                self._errors.put(e)
+                with self._lock:
+                    self._thread = None
+                return
+            finally:
+                self._queue.task_done()
+
+    def run_all(self, closures):
+        import queue
+        import threading
+
+        with self._lock:
+            try:
+                error = self._errors.get(block=False)
+            except queue.Empty:
+                error = None
+            if error is not None:
+                raise RuntimeError(
+                    "Cannot run asynchronous closure due to previously raised exception"
+                ) from error
+            for item in closures:
+                self._queue.put(item)
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(
+                    target=self._loop, name="torchacc-async-closures", daemon=True
+                )
+                self._thread.start()
+
+    def wait(self):
+        self._queue.join()
+
+
+_async_runner = _AsyncClosureRunner()
+
+
+def wait_async_closures():
+    """Block until every async step closure handed over so far has run (torchacc helper)."""
+    _async_runner.wait()
 
 
 @_execute.after_sync
 def _run_step_closures():
+    if _async_closures:
+        closures = list(_async_closures)
+        _async_closures.clear()
+        _async_runner.run_all(closures)
     closures = list(_step_closures)
     _step_closures.clear()
     for closure, args in closures:
@@ -224,7 +307,38 @@ def unlazy(tensors=None):
 
 
 def set_rng_state(seed, device=None):
-    torch.manual_seed(seed)
+    """Set the device RNG's state to ``seed`` (an int, as :func:`get_rng_state` returns). The CPU
+    generator is left alone, as in torch_xla."""
+    from torchacc.lazy import random as _random
+
+    _random.manual_seed(int(seed))
+
+
+def get_rng_state(device=None):
+    """The device RNG's current state as an int; ``set_rng_state`` of it continues the same
+    stream. Reads the state from the device (a host transfer; a pending state runs its graph)."""
+    from torchacc.lazy import random as _random
+
+    words = _execute.fetch(_random.state_value(), torch.uint32).tolist()
+    return (int(words[0]) << 32) | int(words[1])
+
+
+class fork_rng:  # noqa: N801  (torch_xla's name; a context manager)
+    """``with xm.fork_rng():`` restores the device RNG state on exit."""
+
+    def __init__(self, device=None, enabled=True):
+        self._enabled = enabled
+        self._state = None
+
+    def __enter__(self):
+        if self._enabled:
+            self._state = get_rng_state()
+        return self
+
+    def __exit__(self, *exc):
+        if self._enabled:
+            set_rng_state(self._state)
+        return False
 
 
 def get_memory_info(device=None):
@@ -474,3 +588,235 @@ def save(data, file_or_path, master_only=True, global_master=False):
         torch.save(cpu_data, file_or_path)
     if xrt_world_size() > 1:
         rendezvous("torch_xla.core.xla_model.save")
+
+
+def _rewrite(data, select, convert, memo=None):
+    """``data`` with every ``select``-ed tensor replaced by ``convert(t)``: dicts, lists, tuples
+    (namedtuples too), sets and plain objects' ``__dict__`` are rebuilt; the input is unchanged."""
+    import copy
+
+    memo = {} if memo is None else memo
+    if id(data) in memo:
+        return memo[id(data)]
+    if isinstance(data, torch.Tensor):
+        out = convert(data) if select(data) else data
+    elif isinstance(data, dict):
+        out = copy.copy(data)
+        for k, v in data.items():
+            out[k] = _rewrite(v, select, convert, memo)
+    elif isinstance(data, tuple) and hasattr(data, "_fields"):
+        out = type(data)(*(_rewrite(v, select, convert, memo) for v in data))
+    elif isinstance(data, (list, tuple, set)):
+        out = type(data)(_rewrite(v, select, convert, memo) for v in data)
+    elif hasattr(data, "__dict__") and not isinstance(data, type) and not callable(data):
+        out = copy.copy(data)
+        for k, v in vars(data).items():
+            setattr(out, k, _rewrite(v, select, convert, memo))
+    else:
+        out = data
+    memo[id(data)] = out
+    return out
+
+
+def send_cpu_data_to_device(datas, device, input_sharding=None):
+    """``datas`` with every CPU tensor copied to ``device`` (nested containers rebuilt)."""
+    if input_sharding is not None:
+        input_sharding.xla_spec  # noqa: B018  (attribute check: a ShardingSpec)
+    device = torch.device(device)
+    if device.type not in ("torchacc", "xla"):
+        raise ValueError(f"send_cpu_data_to_device: {device} is not a torchacc device")
+    dev = torchacc.device()
+
+    def select(t):
+        if type(t) is not torch.Tensor or t.device.type != "cpu":
+            return False
+        if input_sharding is not None and input_sharding.can_apply(t):
+            input_sharding.xla_spec(t)  # replicated only: raises for a real sharding
+        return True
+
+    return _rewrite(datas, select, lambda t: t.to(dev))
+
+
+class RateTracker:
+    """Smoothed rate of ``add``-ed counts per second (torch_xla's samples/s tracker)."""
+
+    def __init__(self, smooth_factor=None):
+        from torchacc.torch_xla.utils.utils import getenv_as
+
+        if smooth_factor is None:
+            smooth_factor = getenv_as("RATE_TRACKER_SMOOTHING", float, 0.4)
+        self._smooth_factor = smooth_factor
+        self._start_time = time.time()
+        self._partial_time = self._start_time
+        self._partial_count = 0.0
+        self._partial_rate = None
+        self._count = 0.0
+
+    def add(self, count):
+        self._count += count
+
+    def rate(self):
+        """Count since the last call over the time since then, smoothed with the last rate."""
+        now = time.time()
+        delta = now - self._partial_time
+        if delta <= 0:
+            return 0.0
+        current = self._count / delta
+        if self._partial_rate is not None:
+            current = (1 - self._smooth_factor) * current + self._smooth_factor * self._partial_rate
+        self._partial_count += self._count
+        self._count = 0.0
+        self._partial_time = now
+        self._partial_rate = current
+        return current
+
+    def global_rate(self):
+        delta = time.time() - self._start_time
+        return (self._partial_count + self._count) / delta if delta > 0 else 0.0
+
+
+def _buckets(tensors, bucket_cap_mb):
+    """Split ``tensors`` (index lists) into buckets of about ``bucket_cap_mb`` MB, as torch_xla's
+    coalescing does: a bucket is flushed before it would spill over the cap; one big tensor goes
+    with a small bucket when the two stay under twice the cap."""
+    cap = bucket_cap_mb * 1024 * 1024
+    buckets, current, total = [], [], 0
+    for i, t in enumerate(tensors):
+        size = t.numel() * t.element_size()
+        if size > cap and total < 0.5 * cap and total + size <= 2 * cap:
+            buckets.append(current + [i])
+            current, total = [], 0
+            continue
+        if total + size > cap and current:
+            buckets.append(current)
+            current, total = [], 0
+        current.append(i)
+        total += size
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _check_tensor_list(name, tensors, what):
+    if not isinstance(tensors, list) or any(not isinstance(t, torch.Tensor) for t in tensors):
+        raise TypeError(f"{name}: `{what}` needs to be a list of Tensors, got {type(tensors)}")
+
+
+def _bucketized(name, fn, input_list, output, bucket_cap_mb):
+    _check_tensor_list(name, input_list, "input_list")
+    if output is not None:
+        _check_tensor_list(name, output, "output")
+        if len(output) != len(input_list):
+            raise ValueError(
+                f"{name}: output has {len(output)} tensors for {len(input_list)} inputs"
+            )
+    results = []
+    for bucket in _buckets(input_list, bucket_cap_mb):
+        ins = [input_list[i] for i in bucket]
+        outs = None if output is None else [output[i] for i in bucket]
+        if len(bucket) == 1:
+            results.append(fn(ins[0], None if outs is None else outs[0]))
+        else:
+            results.extend(fn(ins, outs))
+    return results
+
+
+def reduce_scatter_bucketized(
+    reduce_type,
+    input_list,
+    scale,
+    scatter_dim,
+    shard_count,
+    groups=None,
+    output=None,
+    pin_layout=False,
+    bucket_cap_mb=160,
+):
+    """:func:`reduce_scatter` over ``input_list`` in buckets of about ``bucket_cap_mb`` MB;
+    returns one result per input."""
+
+    def fn(inputs, outputs):
+        return reduce_scatter(
+            reduce_type, inputs, scale, scatter_dim, shard_count, groups, outputs, pin_layout
+        )
+
+    return _bucketized("reduce_scatter_bucketized", fn, input_list, output, bucket_cap_mb)
+
+
+def all_gather_bucketized(
+    input_list, dim=0, groups=None, output=None, pin_layout=False, bucket_cap_mb=160
+):
+    """:func:`all_gather` over ``input_list`` in buckets; returns one result per input."""
+    if pin_layout:
+        raise RuntimeError("For xm.all_gather_bucketized, pin_layout=True is not yet supported.")
+
+    def fn(inputs, outputs):
+        if isinstance(inputs, list):
+            outs = outputs or [None] * len(inputs)
+            return [all_gather(t, dim, groups, o, pin_layout) for t, o in zip(inputs, outs)]
+        return all_gather(inputs, dim, groups, outputs, pin_layout)
+
+    return _bucketized("all_gather_bucketized", fn, input_list, output, bucket_cap_mb)
+
+
+def all_reduce_bucketized_gradients(gradients, scale, groups, pin_layout, bucket_cap_mb=0):
+    """In-place sum all-reduce of ``gradients`` (times ``scale``) in buckets of
+    ``bucket_cap_mb`` MB."""
+    for bucket in _buckets(gradients, bucket_cap_mb):
+        all_reduce(
+            REDUCE_SUM,
+            [gradients[i] for i in bucket],
+            scale=scale,
+            groups=groups,
+            pin_layout=pin_layout,
+        )
+
+
+def xla_device_kind(device=None):
+    """The JAX device kind (e.g. ``'cpu'``, ``'NVIDIA H100 80GB HBM3'``)."""
+    return torchacc.jax_device().device_kind
+
+
+def xla_replication_devices(local_devices=None):
+    return xla_real_devices(local_devices)
+
+
+def optimization_barrier_(tensors):
+    """torch_xla inserts an XLA optimization barrier; values are unchanged, so torchacc records
+    nothing (the barrier only constrains XLA's scheduling)."""
+    return None
+
+
+def do_on_ordinals(target, data=(), ordinals=(0,)):
+    """Run ``target(*data)`` on the listed ordinals; every replica meets at a rendezvous after."""
+    result = target(*data) if get_ordinal() in ordinals else None
+    rendezvous("torch_xla.core.xla_model.do_on_ordinals")
+    return result
+
+
+def xla_rendezvous(payload=b"", ordinals=None, tag=None):
+    """Exchange ``payload`` bytes among replicas (every replica's payload, in rank order)."""
+    return rendezvous(tag or "torch_xla.core.xla_model.xla_rendezvous", payload, ordinals)
+
+
+def check_view_sharing(obj):
+    """torch_xla refuses to save views sharing storage; torchacc moves tensors to the CPU one by
+    one, so there is nothing to check."""
+    return None
+
+
+send = not_implemented(
+    "xm.send", "point-to-point send/recv is not implemented: torchacc records collectives only"
+)
+recv = not_implemented(
+    "xm.recv", "point-to-point send/recv is not implemented: torchacc records collectives only"
+)
+collective_permute = not_implemented(
+    "xm.collective_permute", "collective_permute is not implemented in torchacc's collectives"
+)
+get_stablehlo = not_implemented(
+    "xm.get_stablehlo", "StableHLO export of the pending graph is not implemented"
+)
+get_stablehlo_bytecode = not_implemented(
+    "xm.get_stablehlo_bytecode", "StableHLO export of the pending graph is not implemented"
+)

@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import os
 
+from torchacc.torch_xla._api import differs, not_implemented
 
+
+@differs("runs fn(local_ordinal, *args) in this process; start processes with torchrun")
 def spawn(fn, args=(), nprocs=None, join=True, daemon=False, start_method="spawn"):
     """Run ``fn(local_ordinal, *args)`` here (one process per device; see module doc)."""
     launched = os.environ.get("WORLD_SIZE") not in (None, "", "1")
@@ -34,3 +37,23 @@ class MpModelWrapper:
 
     def to(self, device):
         return self._model.to(device)
+
+
+class MpSerialExecutor:
+    """``run(fn)`` runs ``fn()`` in this process (torch_xla serializes it among the processes of
+    one host; here each process is its own host of one device)."""
+
+    def __init__(self):
+        import threading
+
+        self._lock = threading.Lock()
+
+    def run(self, fn):
+        with self._lock:
+            return fn()
+
+
+create_optimized_replica_groups = not_implemented(
+    "xmp.create_optimized_replica_groups",
+    "replica groups optimized for a TPU topology; torchacc has one replica group (all processes)",
+)
