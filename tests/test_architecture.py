@@ -181,6 +181,8 @@ def test_no_module_outside_the_rule_tables_is_long():
     for name, path in MODULES.items():
         if name.startswith("torchacc.lowering."):
             continue  # rule tables: one decorated function per overload
+        if name.startswith("torchacc.torch_xla."):
+            continue  # the compat namespace mirrors torch_xla's modules (xla_model is one module)
         n = sum(1 for _ in open(path))
         if n > 550:
             long.append(f"{name}: {n} lines")

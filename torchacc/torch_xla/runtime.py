@@ -106,10 +106,9 @@ _DEVICE_TYPES = {"CPU": "cpu", "CUDA": "gpu", "GPU": "gpu"}
 def set_device_type(pjrt_device):
     """Choose the device type (``'CPU'``, ``'CUDA'``/``'GPU'``) before the device is first used:
     sets ``TORCHACC_DEVICE`` (torch_xla sets ``PJRT_DEVICE``)."""
-    import importlib
     import os
 
-    _device = importlib.import_module("torchacc.device")  # (torchacc.device is also a function)
+    from torchacc.runtime import device as _device
     kind = _DEVICE_TYPES.get(str(pjrt_device).upper())
     if kind is None:
         raise NotImplementedError(
