@@ -17,19 +17,22 @@ node, so graphs are freed as soon as no pending Value needs them.
 
 from __future__ import annotations
 
+import itertools
 import weakref
 
 
 class Value:
     """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta."""
 
-    __slots__ = ("node", "index", "array", "desc")
+    # ``mark``/``slot``: scratch of the graph walk at a sync (Note [Walking a graph at a sync])
+    __slots__ = ("node", "index", "array", "desc", "mark", "slot")
 
     def __init__(self, desc, node=None, index=0, array=None):
         self.node = node
         self.index = index
         self.array = array
         self.desc = desc
+        self.mark = 0
 
     @property
     def pending(self):
@@ -69,12 +72,18 @@ class Node:
     it (no cycles for the garbage collector to find).
     """
 
-    __slots__ = ("op", "inputs", "scalars")
+    # ``seq``: creation order (a topological order); ``mark``/``slot``: scratch of the graph walk
+    __slots__ = ("op", "inputs", "scalars", "seq", "mark", "slot")
 
     def __init__(self, op, inputs, scalars):
         self.op = op
         self.inputs = inputs
         self.scalars = scalars
+        self.seq = _next_seq()
+        self.mark = 0
+
+
+_next_seq = itertools.count(1).__next__
 
 
 class TensorSlot(int):

@@ -12,41 +12,55 @@ reuses the same executable.
 
 from __future__ import annotations
 
+import operator
+
+# Note [Walking a graph at a sync]
+# A sync walks the pending graph once per step, so the walk is the part of ``mark_step`` that
+# grows with the number of recorded ops. It marks what it has seen with a per-walk number on the
+# Nodes and Values themselves (no sets of ids), collects the reachable nodes with a plain work
+# list and puts them in creation order (``Node.seq``, a topological order: a node only reads
+# Values that existed when it was recorded), and numbers slots on the objects too. Inputs are
+# numbered in the order the work list meets them, which depends only on the graph's structure, so
+# the same step gives the same key every time.
+
+_walks = [0]
+
 
 class Graph:
     """The nodes needed to compute ``outputs``, in topological order, and their inputs.
 
     Slots number the program's arrays: inputs first, then each node's outputs in order (one slot
     per output desc of its OpEntry). ``key[1]`` alternates each node's OpEntry and the slots of its
-    inputs."""
+    inputs. Note [Walking a graph at a sync]."""
 
     __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate", "out_slots")
 
     def __init__(self, outputs, donatable=None):
         order, inputs = _collect(outputs)
-        slot = {id(v): i for i, v in enumerate(inputs)}  # input Value or node -> (first) slot
+        for i, v in enumerate(inputs):
+            v.slot = i
         nslots = len(inputs)
         parts = []
         floats, ints = [], []
         for node in order:
             op = node.op
-            ins = tuple(
-                [slot[id(v)] if v.node is None else slot[id(v.node)] + v.index for v in node.inputs]
-            )
+            ins = tuple([v.slot if v.node is None else v.node.slot + v.index for v in node.inputs])
             parts.append(op)  # OpEntries are unique per signature: equality is identity, hash is id
             parts.append(ins)
-            slot[id(node)] = nslots
+            node.slot = nslots
             nslots += len(op.descs)
-            for s in node.scalars:
-                (ints if type(s) is int or type(s) is bool else floats).append(s)
+            scalars = node.scalars
+            if scalars:
+                for s in scalars:
+                    (ints if type(s) is int or type(s) is bool else floats).append(s)
         self.order = order
         self.inputs = inputs
         self.outputs = outputs
         self.floats = floats
         self.ints = ints
-        self.out_slots = out_slots = tuple(slot[id(v.node)] + v.index for v in outputs)
+        self.out_slots = out_slots = tuple([v.node.slot + v.index for v in outputs])
         self.donate = _donations(inputs, outputs, donatable) if donatable else ()
-        in_avals = tuple((v.desc[0], v.desc[2]) for v in inputs)
+        in_avals = tuple([(v.desc[0], v.desc[2]) for v in inputs])
         self.key = (in_avals, tuple(parts), out_slots, self.donate)
 
 
@@ -69,35 +83,34 @@ def _donations(inputs, outputs, donatable):
 
 
 def _collect(outputs):
-    """Topological order of pending nodes reachable from ``outputs``, and the input Values."""
+    """Pending nodes reachable from ``outputs`` in creation order, and the input Values."""
+    _walks[0] += 1
+    walk = _walks[0]
     order, inputs = [], []
-    seen = set()
-    seen_inputs = set()
+    todo = []
     for root in outputs:
-        if root.node is None or id(root.node) in seen:
-            continue
-        stack = [(root.node, 0)]
-        seen.add(id(root.node))
-        while stack:
-            node, i = stack[-1]
-            ins = node.inputs
-            while i < len(ins):
-                v = ins[i]
-                i += 1
-                n = v.node
-                if n is None:
-                    if id(v) not in seen_inputs:
-                        seen_inputs.add(id(v))
-                        inputs.append(v)
-                elif id(n) not in seen:
-                    seen.add(id(n))
-                    stack[-1] = (node, i)
-                    stack.append((n, 0))
-                    break
-            else:
-                stack.pop()
-                order.append(node)
+        n = root.node
+        if n is not None and n.mark != walk:
+            n.mark = walk
+            todo.append(n)
+    order.extend(todo)
+    pop, push, keep, take = todo.pop, todo.append, order.append, inputs.append
+    while todo:
+        for v in pop().inputs:
+            n = v.node
+            if n is None:
+                if v.mark != walk:
+                    v.mark = walk
+                    take(v)
+            elif n.mark != walk:
+                n.mark = walk
+                push(n)
+                keep(n)
+    order.sort(key=_seq)
     return order, inputs
+
+
+_seq = operator.attrgetter("seq")
 
 
 def explain_miss(key, cached):
