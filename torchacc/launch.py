@@ -22,6 +22,13 @@ Processes that are already workers run the training in-process instead of spawni
 With ``mpirun`` starting one launcher per node and ``--nproc_per_node=N``, MPI ranks are taken as
 node ranks (``--nnodes``/``--node_rank``) and each launcher spawns its N workers with torchrun.
 
+Before anything starts the launcher checks what would otherwise fail late (one line, exit code 2
+each): ``--nproc_per_node`` above this node's devices, unusable path flags, a ``--resume``
+checkpoint that is not one (or is unsafe, or is for another model), and ``--compiler-opt`` on a GPU
+machine whose JAX has no CUDA backend. Workers die with the launcher, and SIGINT/SIGTERM stop the
+job cleanly (Note [Worker lifetime] in ``torchacc/launch_checks.py``); exit codes: 0 done, 1 the
+run failed, 2 a usage or set-up error, 130/143 interrupted by SIGINT/SIGTERM.
+
 This module imports nothing heavy at import time, so usage errors come back fast.
 """
 
@@ -30,9 +37,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib.util
 import os
+import shutil
+import signal
 import socket
 import sys
+import tempfile
+import zipfile
 from pathlib import Path
 
 __all__ = [
@@ -58,7 +70,30 @@ MODELS: dict[str, str] = {
 }
 
 # Flags that only the launcher reads; everything else is forwarded to the workers.
-LAUNCH_ONLY = ("nproc_per_node", "nnodes", "node_rank", "master_addr", "master_port")
+LAUNCH_ONLY = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "oversubscribe",
+)
+
+
+def _load_checks():
+    """``torchacc/launch_checks.py``, loaded from its file (no ``torchacc`` package import)."""
+    name = "torchacc.launch_checks"
+    mod = sys.modules.get(name)
+    if mod is None:
+        path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_checks.py")
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return mod
+
+
+checks = _load_checks()
 
 
 # ----------------------------------------------------------------------------- value types
@@ -171,6 +206,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=_port,
         default=None,
         help="rendezvous port (default: a free port on one node, 29500 on several)",
+    )
+    g.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more processes than CPU cores on a CPU-only node (GPUs: one process each)",
     )
 
     g = p.add_argument_group("model and mode")
@@ -436,10 +476,115 @@ def _resolve_nproc(value) -> int:
     return max(n, 1)
 
 
+_PROG = "launch_single_task.py"
+
+
+class _Interrupted(Exception):
+    """SIGTERM reached the launcher before torchrun took over its signals."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _fail(line: str, code: int = 2) -> int:
+    print(f"{_PROG}: error: {line}", file=sys.stderr, flush=True)
+    return code
+
+
+def _say(line: str) -> None:
+    print(f"[launch] {line}", file=sys.stderr, flush=True)
+
+
+def _preflight(args: argparse.Namespace, spawning: bool) -> str | None:
+    """Everything that would otherwise fail after workers started: the first problem, or None."""
+    errors = checks.path_errors(args)
+    if errors:
+        return errors[0]
+    if spawning:
+        nproc = _resolve_nproc(args.nproc_per_node)
+        err = checks.nproc_error(nproc, args.compiler_opt, args.oversubscribe)
+        if err:
+            return err
+    if args.compiler_opt:
+        err = checks.cuda_jax_mismatch(checks.cuda_device_count(), checks.jax_cuda_plugins())
+        if err:
+            return err
+    if args.resume:
+        err = _check_resume(args)
+        if err:
+            return err
+    return None
+
+
+def _check_resume(args: argparse.Namespace) -> str | None:
+    """Resolve ``--resume`` to one good checkpoint file (safe load, tensors left on disk) and
+    check it is for this model; ``args.resume`` becomes that file so workers need not search."""
+    if os.path.isfile(args.resume) and not zipfile.is_zipfile(args.resume):  # no torch needed
+        return (
+            f"--resume {args.resume}: not a checkpoint (not a torch.save archive; damaged or "
+            "another kind of file)"
+        )
+    from gallery.common.checkpoint import CheckpointError, resolve_checkpoint
+
+    try:
+        path, state = resolve_checkpoint(args.resume, warn=_say)
+    except CheckpointError as e:
+        return f"--resume {e}"
+    trained = state.get("model_name") or (state.get("args") or {}).get("model")
+    if trained is not None and trained != args.model:
+        return f"--resume {path}: checkpoint of model {trained}, but this run trains {args.model}"
+    args.resume = os.path.abspath(path)
+    return None
+
+
+def _loopback(addr: str) -> bool:
+    return addr in ("127.0.0.1", "localhost", "::1") or addr.startswith("127.")
+
+
+def _bind_locally(nnodes: int, master_addr: str) -> None:
+    """One node: collectives' sockets (gloo, NCCL bootstrap) on the loopback interface only."""
+    if nnodes == 1 and _loopback(master_addr) and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
+def _reported_ranks(run_dir: str) -> dict[int, int]:
+    """rank -> exit code of workers that already printed why they stopped (trainer markers)."""
+    out = {}
+    for name in os.listdir(run_dir):
+        if name.startswith("reported-rank"):
+            try:
+                rank = int(name[len("reported-rank") :])
+                with open(os.path.join(run_dir, name)) as f:
+                    out[rank] = int(f.read().strip() or "1")
+            except (ValueError, OSError):
+                continue
+    return out
+
+
+def _sigterm_to_exception(signum, frame):
+    raise _Interrupted(signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        return _interrupted_before_start(signal.SIGINT)
+    except _Interrupted as e:
+        return _interrupted_before_start(e.signum)
+
+
+def _interrupted_before_start(signum: int) -> int:
+    _say(f"interrupted ({signal.Signals(signum).name}) during start-up, before any step")
+    return 128 + signum
+
+
+def _main(argv: list[str] | None) -> int:
+    signal.signal(signal.SIGTERM, _sigterm_to_exception)
     args = parse_args(argv)
     module = MODELS[args.model]
-    wargs = worker_argv(args)
 
     root = str(repo_root())
     if root not in sys.path:
@@ -459,9 +604,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         mpi = mpi_environment()
     except RuntimeError as e:
-        print(f"launch_single_task.py: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(str(e))
     nproc = _resolve_nproc(args.nproc_per_node)
+    in_place = (mpi is not None and nproc == 1) or (mpi is None and _already_a_worker(os.environ))
+    problem = _preflight(args, spawning=not in_place)
+    if problem:
+        return _fail(problem)
+    wargs = worker_argv(args)
     nnodes, node_rank = args.nnodes, args.node_rank
     master_addr = args.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     if mpi is not None and nproc == 1:
@@ -488,14 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     else:
         master_port = int(os.environ.get("MASTER_PORT", 29500))
 
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args as torchrun_parse_args
-    from torch.distributed.run import run as torchrun
-
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         # torchrun would force 1 thread per worker; share the cores instead.
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        os.environ["OMP_NUM_THREADS"] = str(max(1, (cpus or 1) // nproc))
+        os.environ["OMP_NUM_THREADS"] = str(max(1, checks.cpu_count() // nproc))
+    _bind_locally(nnodes, master_addr)
 
     cmd = [
         f"--nproc_per_node={nproc}",
@@ -513,11 +658,40 @@ def main(argv: list[str] | None = None) -> int:
         f"master {master_addr}:{master_port}",
         flush=True,
     )
+    run_dir = tempfile.mkdtemp(prefix="torchacc-run-")
+    os.environ[checks.LAUNCHER_PID_ENV] = str(os.getpid())
+    os.environ[checks.RUN_DIR_ENV] = run_dir
+    try:
+        return _run_torchrun(cmd, run_dir)
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+def _run_torchrun(cmd: list[str], run_dir: str) -> int:
+    import logging
+
+    from torch.distributed.elastic.multiprocessing import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import parse_args as torchrun_parse_args
+    from torch.distributed.run import run as torchrun
+
     try:
         torchrun(torchrun_parse_args(cmd))
+    except (SignalException, _Interrupted) as e:
+        # torchrun forwarded the signal to the workers and waited for them (30 s, then SIGKILL).
+        signum = int(getattr(e, "sigval", None) or e.signum)
+        if not _reported_ranks(run_dir):
+            _say(f"interrupted ({signal.Signals(signum).name}) during start-up, before any step")
+        return 128 + signum
     except ChildFailedError as e:
+        reported = _reported_ranks(run_dir)
+        failed = {rank: f.exitcode for rank, f in e.failures.items()}
+        if failed and all(rank in reported for rank in failed):
+            return max(reported[rank] for rank in failed)  # the workers said why: no box
         print(f"[launch] training failed:\n{e}", file=sys.stderr)
         return 1
+    finally:
+        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     return 0
 
 
