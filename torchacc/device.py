@@ -99,9 +99,23 @@ def platform():
     if forced:
         raise ValueError(f"TORCHACC_DEVICE={forced!r}: expected 'gpu', 'cuda' or 'cpu'")
     try:
-        return "gpu" if jax.devices("gpu") else "cpu"
+        if jax.devices("gpu"):
+            return "gpu"
     except RuntimeError:
-        return "cpu"
+        pass
+    _warn_if_torch_sees_cuda()
+    return "cpu"
+
+
+def _warn_if_torch_sees_cuda():
+    """One warning (platform() is cached) when torch has CUDA GPUs but JAX none (issue 19.9)."""
+    from torchacc import launch_checks as lc
+
+    msg = lc.cuda_jax_mismatch(lc.cuda_device_count(), lc.jax_cuda_plugins(), jax_sees_gpu=False)
+    if msg:
+        import warnings
+
+        warnings.warn(f"torchacc: {msg}", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)
