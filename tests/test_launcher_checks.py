@@ -194,6 +194,9 @@ def test_cuda_jax_mismatch_rule():
     assert checks.cuda_jax_mismatch(1, ["jax-cuda12-plugin"], environ={}) is None
     hidden = checks.cuda_jax_mismatch(1, ["jax-cuda12-plugin"], environ={"JAX_PLATFORMS": "cpu"})
     assert "JAX_PLATFORMS=cpu" in hidden
+    broken = checks.cuda_jax_mismatch(1, ["jax-cuda13-plugin"], environ={}, jax_sees_gpu=False)
+    assert "jax-cuda13-plugin) found no usable GPU" in broken
+    assert checks.cuda_jax_mismatch(1, [], environ={}, jax_sees_gpu=True) is None
 
 
 @pytest.mark.gpu
@@ -204,7 +207,12 @@ def test_compiler_opt_refused_when_jax_cannot_see_the_gpu():
     p = run_launcher(
         "--model=gpt-tiny", "--compiler-opt", env={"JAX_PLATFORMS": "cpu"}, expect_rc=None
     )
-    assert "so --compiler-opt would run on XLA:CPU" in _one_error_line(p)
+    assert "so torchacc (--compiler-opt) would run on XLA:CPU" in _one_error_line(p)
+    p = run_launcher(
+        "--model=gpt-tiny", "--compiler-opt", "--max_steps=1", "--seq_len=16", "--batch_size=2",
+        env={"JAX_PLATFORMS": "cpu", "TORCHACC_DEVICE": "cpu"},
+    )  # fmt: skip
+    assert "XLA:CPU" in p.stdout  # TORCHACC_DEVICE=cpu says the CPU is meant
 
 
 def test_installed_plugins_are_listed_without_starting_jax():

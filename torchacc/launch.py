@@ -549,6 +549,41 @@ def _bind_locally(nnodes: int, master_addr: str) -> None:
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
 
 
+def _own_store(nnodes: int, node_rank: int, master_addr: str, master_port: int):
+    """On the rendezvous node, start torchrun's TCPStore server ourselves on a socket bound to
+    ``master_addr`` (loopback on one node) instead of every interface; torchrun's static
+    rendezvous asks for a multi-tenant store on the same port and gets this server. Returns the
+    store to keep alive, or None (not the master node, or the address is not local)."""
+    if node_rank != 0:
+        return None
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        info = socket.getaddrinfo(master_addr, master_port, type=socket.SOCK_STREAM)[0]
+        sock = socket.socket(info[0], socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(info[4])
+        sock.listen(128)
+    except OSError:
+        return None
+    try:
+        store = dist.TCPStore(
+            master_addr,
+            master_port,
+            nnodes,
+            True,
+            datetime.timedelta(seconds=900),
+            wait_for_workers=False,
+            multi_tenant=True,
+            master_listen_fd=sock.detach(),
+        )
+    except Exception:
+        return None
+    return store
+
+
 def _reported_ranks(run_dir: str) -> dict[int, int]:
     """rank -> exit code of workers that already printed why they stopped (trainer markers)."""
     out = {}
@@ -662,6 +697,7 @@ def _main(argv: list[str] | None) -> int:
     os.environ[checks.LAUNCHER_PID_ENV] = str(os.getpid())
     os.environ[checks.RUN_DIR_ENV] = run_dir
     try:
+        store = _own_store(nnodes, node_rank, master_addr, master_port)  # noqa: F841 (kept alive)
         return _run_torchrun(cmd, run_dir)
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -675,6 +711,11 @@ def _run_torchrun(cmd: list[str], run_dir: str) -> int:
     from torch.distributed.run import parse_args as torchrun_parse_args
     from torch.distributed.run import run as torchrun
 
+    # torchrun's own notes on a signal ("Received 2 death signal, shutting down workers") would
+    # add lines to the one the workers print; its errors stay.
+    for name in list(logging.root.manager.loggerDict):
+        if name.startswith("torch.distributed.elastic"):
+            logging.getLogger(name).setLevel(logging.ERROR)
     try:
         torchrun(torchrun_parse_args(cmd))
     except (SignalException, _Interrupted) as e:
@@ -690,8 +731,6 @@ def _run_torchrun(cmd: list[str], run_dir: str) -> int:
             return max(reported[rank] for rank in failed)  # the workers said why: no box
         print(f"[launch] training failed:\n{e}", file=sys.stderr)
         return 1
-    finally:
-        logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     return 0
 
 

@@ -197,11 +197,14 @@ def _jax_platforms_exclude_gpu(environ) -> bool:
     return not names & {"cuda", "gpu", "rocm"}
 
 
-def cuda_jax_mismatch(torch_gpus: int, plugins: list[str], environ=None) -> str | None:
+def cuda_jax_mismatch(
+    torch_gpus: int, plugins: list[str], environ=None, jax_sees_gpu: bool | None = None
+) -> str | None:
     """Why JAX would run on the CPU while torch sees ``torch_gpus`` CUDA GPUs, and the fix; None
-    when there is no mismatch or ``TORCHACC_DEVICE=cpu`` says the CPU is meant."""
+    when there is no mismatch or ``TORCHACC_DEVICE=cpu`` says the CPU is meant. ``jax_sees_gpu``:
+    what JAX reported, when it has started (None: not asked, the launcher does not start it)."""
     env = os.environ if environ is None else environ
-    if torch_gpus <= 0 or _forced_cpu(env):
+    if torch_gpus <= 0 or _forced_cpu(env) or jax_sees_gpu:
         return None
     if not plugins:
         why = "JAX has no CUDA backend installed (the CPU build of jax)"
@@ -209,10 +212,13 @@ def cuda_jax_mismatch(torch_gpus: int, plugins: list[str], environ=None) -> str 
     elif _jax_platforms_exclude_gpu(env):
         why = f"JAX_PLATFORMS={env['JAX_PLATFORMS']} hides the GPU from JAX"
         fix = "unset JAX_PLATFORMS (or include cuda in it)"
+    elif jax_sees_gpu is False:
+        why = f"JAX's CUDA backend ({', '.join(plugins)}) found no usable GPU"
+        fix = "install the plugin matching your CUDA driver ('.[cuda12]' or '.[cuda13]')"
     else:
         return None
     return (
-        f"torch sees {torch_gpus} CUDA GPU(s) but {why}, so --compiler-opt would run on XLA:CPU; "
+        f"torch sees {torch_gpus} CUDA GPU(s) but {why}, so torchacc (--compiler-opt) would run on XLA:CPU; "
         f"fix: {fix}, or set TORCHACC_DEVICE=cpu if the CPU is meant"
     )
 

@@ -225,6 +225,15 @@ class _StopAgreement:
         return signal.SIGINT if intr else None
 
 
+def _compile_counter(compiler: bool) -> Callable[[], int]:
+    """Programs compiled so far (torch_xla's ``UncachedCompile`` counter); 0 on the eager path."""
+    if not compiler:
+        return lambda: 0
+    import torchacc.torch_xla.debug.metrics as met
+
+    return lambda: met.counter_value("UncachedCompile") or 0
+
+
 def _hardware(compiler: bool, device, local_rank: int) -> str:
     """The run's device in words: ``XLA:GPU <name>``, ``XLA:CPU``, ``cuda:0 <name>``, ``cpu``."""
     if compiler:
@@ -482,6 +491,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         losses.extend(values)
         pending.clear()
 
+    compile_count = _compile_counter(compiler)
     stop = checks.StopRequest()
     agree = _StopAgreement(stop, world_size, min(args.log_interval, 10))
     previous_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -496,15 +506,17 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     step = start_step
     t_start = time.perf_counter()
     t_last = t_interval = t_start
-    interval_start_step = step
     t_warm = None
     t_first = None  # when the first step (with its compile) was done
     first_step_time = None
+    compiled_steps: list[int] = []  # steps that compiled a program: left out of ETA / step time
+    interval_times: list[tuple[float, bool]] = []  # (seconds, compiled) of this interval's steps
     while step < total_steps and stop_signal is None:
         epoch, offset = divmod(step, steps_per_epoch)
         for inputs, target in loader.batches(epoch, offset, offset + total_steps - step):
             if reseed:
                 torch.manual_seed(step_seed(args.seed, rank, step))
+            compiles_before = compile_count()
             if compiler:
                 inputs, target = inputs.to(device), target.to(device)
             else:
@@ -546,6 +558,12 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 fetch_losses()  # synchronizes with the device
             now = time.perf_counter()
             step_times.append(now - t_last)
+            compiled = done == 1 or compile_count() > compiles_before
+            interval_times.append((now - t_last, compiled))
+            if compiled:
+                compiled_steps.append(step)
+                if done > 1 and rank == 0:
+                    logger.info(f"step {step} compiled a new program ({now - t_last:.2f} s)")
             t_last = now
             if done == 1:
                 first_step_time = now - t_start
@@ -559,16 +577,13 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             if at_warm:
                 t_warm = now
             if at_log and rank == 0:
-                n = step - interval_start_step
-                if interval_start_step == start_step:  # the first step (its compile) is in here
-                    n_after, t_after = n - 1, now - t_first
-                else:
-                    n_after, t_after = n, now - t_interval
-                if n_after > 0:
-                    batch_time = t_after / n_after
+                # Steps that compiled are left out: their time says nothing about the others.
+                plain = [t for t, c in interval_times if not c]
+                if plain:
+                    batch_time = sum(plain) / len(plain)
                     eta = batch_time * (total_steps - step)
                 else:
-                    batch_time, eta = (now - t_interval) / max(n, 1), None
+                    batch_time, eta = (now - t_interval) / max(len(interval_times), 1), None
                 sps = samples_per_step / batch_time if batch_time > 0 else float("nan")
                 mem, mem_src = peak_memory_gib()
                 log_metrics(
@@ -596,7 +611,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                     }
                 )
             if at_log:
-                t_interval, interval_start_step = now, step
+                t_interval = now
+                interval_times.clear()
             if args.save_dir and args.save_interval and step % args.save_interval == 0:
                 saved_ok[step] = save(step)
             if t_first is not None:
@@ -632,6 +648,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         "steps_run": done,
         "warmup_steps": warmup,
         "first_step_time_s": first_step_time,
+        "compiled_steps": compiled_steps,
         "steady_samples_per_sec": steady_sps,
         "steady_step_time_s": steady_time / steady_steps if steady_steps > 0 else None,
         "total_time_s": t_end - t_start,
