@@ -218,8 +218,8 @@ def cuda_jax_mismatch(
     else:
         return None
     return (
-        f"torch sees {torch_gpus} CUDA GPU(s) but {why}, so torchacc (--compiler-opt) would run on XLA:CPU; "
-        f"fix: {fix}, or set TORCHACC_DEVICE=cpu if the CPU is meant"
+        f"torch sees {torch_gpus} CUDA GPU(s) but {why}, so torchacc (--compiler-opt) would run "
+        f"on XLA:CPU; fix: {fix}, or set TORCHACC_DEVICE=cpu if the CPU is meant"
     )
 
 
