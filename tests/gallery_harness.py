@@ -215,6 +215,7 @@ def _decode_address(text: str) -> tuple[str, int]:
     else:  # four little-endian 32-bit words
         words = struct.unpack(">4I", raw)
         addr = ipaddress.IPv6Address(b"".join(struct.pack("<I", w) for w in words))
+        addr = addr.ipv4_mapped or addr  # ::ffff:127.0.0.1 is IPv4 loopback
     return str(addr), int(port, 16)
 
 
