@@ -145,7 +145,9 @@ def _refusal(exc: BaseException) -> str:
 
 def load_checkpoint(path: str, *, mmap: bool = False) -> dict:
     """Load one checkpoint file safely (see the module docstring); ``mmap=True`` only checks it
-    cheaply (tensor data stays on disk)."""
+    cheaply (tensor data stays on disk). A directory means its newest good checkpoint."""
+    if os.path.isdir(path):
+        path = resolve_checkpoint(path)[0]
     if not os.path.isfile(path):
         raise CheckpointError(f"{path}: no such checkpoint file")
     if not zipfile.is_zipfile(path):
