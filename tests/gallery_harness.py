@@ -76,6 +76,165 @@ def check_metrics(m: dict, steps: int, world_size: int, start: int = 0) -> None:
     s = m["summary"]
     assert s["steps_run"] == steps and s["world_size"] == world_size
     assert s["final_loss"] == m["losses"][-1]
-    assert s["peak_mem_gib"] > 0 and s["peak_mem_source"] == "host_rss"
+    # Where peak memory is read (issue 19.12): the CUDA allocator for eager CUDA, XLA's allocator
+    # for XLA:GPU, else this process's peak RSS.
+    hardware = m["config"].get("hardware", m["config"]["device"])
+    expected = "cuda" if hardware.startswith("cuda") else "xla" if "GPU" in hardware else "host_rss"
+    assert s["peak_mem_gib"] > 0 and s["peak_mem_source"] == expected
     assert s["steady_samples_per_sec"] > 0 and s["first_step_time_s"] > 0
     assert m["intervals"] and m["intervals"][-1]["step"] == start + steps
+
+
+# ----------------------------------------------------------------------------- devices
+def launcher_checks():
+    """``torchacc/launch_checks.py`` as the launcher loads it."""
+    from gallery.common.launchlib import torchacc_launch
+
+    return torchacc_launch().checks
+
+
+def needs_processes(nproc: int, compiler_opt: bool = False):
+    """Skip marker for a test that starts ``nproc`` workers on this node: the launcher refuses
+    more processes than devices (GPUs, else CPU cores), and so does this skip, with its reason."""
+    import pytest
+
+    limit, what = launcher_checks().device_limit(compiler_opt)
+    return pytest.mark.skipif(
+        nproc > limit, reason=f"needs {nproc} devices for {nproc} processes; this node has {what}"
+    )
+
+
+# ----------------------------------------------------------------------------- live processes
+def start_launcher(*flags, log_dir, env=None) -> subprocess.Popen:
+    """Start the launcher in its own session (so a test can signal its process group like a
+    terminal does); stdout/stderr go to ``log_dir/out.txt`` / ``err.txt``."""
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    out = open(log_dir / "out.txt", "w")
+    err = open(log_dir / "err.txt", "w")
+    try:
+        return subprocess.Popen(
+            [sys.executable, str(LAUNCHER), *map(str, flags)],
+            cwd=ROOT,
+            env=child_env(env),
+            stdout=out,
+            stderr=err,
+            start_new_session=True,
+        )
+    finally:
+        out.close()
+        err.close()
+
+
+def read_logs(log_dir) -> tuple[str, str]:
+    log_dir = Path(log_dir)
+    return (log_dir / "out.txt").read_text(), (log_dir / "err.txt").read_text()
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return None
+    return int(text[text.rindex(")") + 2 :].split()[1])
+
+
+def descendants(pid: int) -> list[int]:
+    """Live descendants of ``pid`` (from /proc), children first."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            parent = _ppid(int(name))
+            if parent is not None:
+                children.setdefault(parent, []).append(int(name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def alive(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            text = f.read()
+    except OSError:
+        return False
+    return text[text.rindex(")") + 2] != "Z"
+
+
+def wait_until(predicate, timeout: float, period: float = 0.2) -> bool:
+    import time
+
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(period)
+    return bool(predicate())
+
+
+def kill_pids(pids) -> None:
+    """SIGKILL each pid a test started (by id), ignoring those already gone."""
+    import signal
+
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    out = set()
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return out
+    for fd in fds:
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            out.add(target[8:-1])
+    return out
+
+
+def _decode_address(text: str) -> tuple[str, int]:
+    import ipaddress
+    import struct
+
+    host, port = text.split(":")
+    raw = bytes.fromhex(host)
+    if len(raw) == 4:
+        addr = ipaddress.IPv4Address(struct.pack("<I", struct.unpack(">I", raw)[0]))
+    else:  # four little-endian 32-bit words
+        words = struct.unpack(">4I", raw)
+        addr = ipaddress.IPv6Address(b"".join(struct.pack("<I", w) for w in words))
+        addr = addr.ipv4_mapped or addr  # ::ffff:127.0.0.1 is IPv4 loopback
+    return str(addr), int(port, 16)
+
+
+def listening_sockets(pids) -> list[tuple[int, str, int]]:
+    """(pid, address, port) of every TCP socket in LISTEN state that one of ``pids`` holds."""
+    owner = {}
+    for pid in pids:
+        for inode in _socket_inodes(pid):
+            owner[inode] = pid
+    out = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if cols[3] == "0A" and cols[9] in owner:  # 0A: LISTEN
+                addr, port = _decode_address(cols[1])
+                out.append((owner[cols[9]], addr, port))
+    return out

@@ -17,7 +17,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 # top to bottom (docs/architecture.md); a prefix names a package or a module
 STAGES = [
     ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
-    ("launcher", ["torchacc.launch"]),
+    ("launcher", ["torchacc.launch", "torchacc.launch_args"]),
     ("libraries", ["torchacc.amp", "torchacc.distributed", "torchacc_ops"]),
     ("frontends", ["torchacc.lazy", "torchacc.dynamo"]),
     ("engine", ["torchacc.engine"]),
@@ -25,7 +25,7 @@ STAGES = [
     ("ir", ["torchacc.ir"]),
     ("runtime", ["torchacc.runtime"]),
     ("lowering", ["torchacc.lowering"]),
-    ("base", ["torchacc.metrics", "torchacc._jaxconfig"]),
+    ("base", ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks"]),
 ]
 # frontends are independent of each other: the trace-once path reuses the stages below, not the
 # lazy recorder (and the other way round)

@@ -71,7 +71,8 @@ def test_xla_memory_reader_accepts_both_key_styles():
 def test_checkpoints_are_atomic_and_rotated(tmp_path):
     d = str(tmp_path)
     for step in (2, 4, 6):
-        checkpoint.save_checkpoint(d, {"step": step, "w": torch.ones(2) * step}, step, keep=2)
+        state = {"step": step, "model": {"w": torch.ones(2) * step}, "optimizer": {}}
+        checkpoint.save_checkpoint(d, state, step, keep=2)
     assert sorted(os.listdir(d)) == ["checkpoint_00000004.pt", "checkpoint_00000006.pt"]
     assert checkpoint.find_checkpoint(d).endswith("checkpoint_00000006.pt")
     assert checkpoint.load_checkpoint(d)["step"] == 6

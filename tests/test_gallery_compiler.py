@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
-from gallery_harness import check_metrics, load_metrics, run_launcher
+from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher
 
 COMPILER_PATH_READY = True
 
@@ -38,7 +38,7 @@ def _losses(tmp_path, name, flags):
     return p, load_metrics(out)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_processes(2))])
 @pytest.mark.parametrize("model", sorted(CASES))
 def test_compiler_path_matches_eager_at_O0(tmp_path, model, nproc):
     flags = [*CASES[model], f"--nproc_per_node={nproc}", "--amp_level=O0"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gallery_harness import check_metrics, load_metrics, run_launcher, run_module
+from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher, run_module
 
 from gallery.gpt.data import MockTokens
 from gallery.gpt.model import CONFIGS, GPT2_NUM_PARAMS, build_gpt, num_params
@@ -70,6 +70,7 @@ def test_gpt_tiny_eager_one_process_bf16(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@needs_processes(2)
 def test_gpt_tiny_eager_two_processes_fp16_scaler(tmp_path):
     out = tmp_path / "m.json"
     run_launcher(

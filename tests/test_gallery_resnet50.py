@@ -7,7 +7,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from gallery_harness import check_metrics, load_metrics, run_launcher
+from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher
 
 from gallery.resnet50 import data as rdata
 from gallery.resnet50.model import RESNET50_NUM_PARAMS, resnet50
@@ -173,6 +173,7 @@ def test_eager_one_process_on_an_image_folder(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+@needs_processes(2)
 def test_eager_two_processes_mock_data(tmp_path):
     out = tmp_path / "m.json"
     p = run_launcher(

@@ -128,4 +128,7 @@ def short_metrics_report(counter_names_=None, metric_names_=None):
     for name in names:
         if name in _counters:
             lines.append(f"Counter: {name}: {_counters[name]}")
+    if counter_names_ is None:  # like torch_xla's: every op that fell back to the CPU
+        for name in executed_fallback_ops():
+            lines.append(f"Counter: {name}: {_counters[name]}")
     return "\n".join(lines) + "\n"

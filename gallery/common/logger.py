@@ -7,9 +7,10 @@
   only warn.
 * Peak memory hook: the training code registers where peak memory is read
   (:func:`set_peak_memory_fn`) and :func:`peak_memory_gib` reads it. Eager CUDA registers
-  ``torch.cuda.max_memory_allocated``; the compiler path registers its device's reading
-  (``xm.get_memory_info``); with nothing registered (eager CPU) it reports the peak resident set
-  size of this process (``ru_maxrss``), labelled ``host_rss``.
+  ``torch.cuda.max_memory_allocated``; the compiler path on a GPU registers its device's reading
+  (``xm.get_memory_info``); with nothing registered (the CPU, either path) it reports the peak
+  resident set size of this process (``getrusage(RUSAGE_SELF).ru_maxrss``), labelled
+  ``host_rss``. Readings are a running maximum per source, so a peak never goes down.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ _GIB = float(1 << 30)
 _logger: logging.Logger | None = None
 _peak_memory_fn: Callable[[], float] | None = None
 _peak_memory_source = "host_rss"
+_peak_seen: dict[str, float] = {}  # source -> highest reading so far (GiB)
 
 
 def _truthy(name: str) -> bool:
@@ -129,11 +131,13 @@ def set_peak_memory_fn(fn: Callable[[], float], source: str) -> None:
     """Register ``fn() -> bytes`` as the peak-memory reading, labelled ``source``."""
     global _peak_memory_fn, _peak_memory_source
     _peak_memory_fn, _peak_memory_source = fn, source
+    _peak_seen.clear()
 
 
 def reset_peak_memory_fn() -> None:
     global _peak_memory_fn, _peak_memory_source
     _peak_memory_fn, _peak_memory_source = None, "host_rss"
+    _peak_seen.clear()
 
 
 def _host_peak_rss_bytes() -> float:
@@ -146,11 +150,17 @@ def _host_peak_rss_bytes() -> float:
         return 0.0
 
 
+def _monotone(value: float, source: str) -> tuple[float, str]:
+    value = max(value, _peak_seen.get(source, 0.0))
+    _peak_seen[source] = value
+    return value, source
+
+
 def peak_memory_gib() -> tuple[float, str]:
-    """(peak memory in GiB, where it was read). Falls back to host RSS if the hook fails."""
+    """(peak memory in GiB so far, where it was read). Falls back to host RSS if the hook fails."""
     if _peak_memory_fn is not None:
         try:
-            return float(_peak_memory_fn()) / _GIB, _peak_memory_source
+            return _monotone(float(_peak_memory_fn()) / _GIB, _peak_memory_source)
         except Exception as e:  # a broken hook must not kill a training run
             _get_logger().warning(f"peak memory hook ({_peak_memory_source}) failed: {e!r}")
-    return _host_peak_rss_bytes() / _GIB, "host_rss"
+    return _monotone(_host_peak_rss_bytes() / _GIB, "host_rss")

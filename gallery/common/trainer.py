@@ -18,6 +18,14 @@ and the loss. The two paths differ only where the recipe says they do (eager | t
 
 Losses stay on the device and are read once per ``--log_interval`` steps (one host sync per
 interval on either path), which is also when the progress line is printed.
+
+Faults end with one line, never a traceback (Note [Worker lifetime] in
+``torchacc/launch_checks.py``): a bad path flag or ``--resume`` checkpoint exits 2; SIGINT/SIGTERM
+after the first step stop every rank at the same step (:class:`_StopAgreement`), SIGTERM saves a
+checkpoint first, ``--output`` is written, exit 130/143; a checkpoint that cannot be written (disk
+full) is reported with the bytes needed and free and retried at the next interval, and the run
+exits 1 if its final save failed. A worker that stopped for a reason it printed leaves a marker in
+the launcher's run directory so the launcher adds no failure box of its own.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ import contextlib
 import json
 import os
 import platform
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -37,9 +46,14 @@ import torch.distributed as dist
 from torch import nn
 
 from gallery.common.checkpoint import (
+    CheckpointError,
     atomic_write_bytes,
     load_checkpoint,
+    resolve_checkpoint,
     save_checkpoint,
+    save_failure_line,
+    state_mismatch,
+    state_nbytes,
     to_cpu,
 )
 from gallery.common.data import EpochBatches
@@ -59,6 +73,7 @@ from gallery.common.logger import (
 _launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
 LAUNCH_ONLY, find_free_port = _launch.LAUNCH_ONLY, _launch.find_free_port
 mpi_environment, parse_args = _launch.mpi_environment, _launch.parse_args
+checks = _launch.checks  # torchacc/launch_checks.py
 
 __all__ = ["Task", "run", "train", "resolve_amp_dtype", "step_seed"]
 
@@ -143,15 +158,139 @@ def _write_json(path: str, payload: dict) -> None:
     atomic_write_bytes(path, lambda f: f.write(data))
 
 
+class _Reported(SystemExit):
+    """Exit with ``code`` after printing why; the launcher then adds no failure box."""
+
+
+def _exit_reported(code: int, line: str | None, rank: int = 0) -> _Reported:
+    if line and rank == 0:
+        print(line, file=sys.stderr if code == 2 else sys.stdout, flush=True)
+    run_dir = os.environ.get(checks.RUN_DIR_ENV)
+    if run_dir and os.path.isdir(run_dir):
+        try:
+            with open(os.path.join(run_dir, f"reported-rank{rank}"), "w") as f:
+                f.write(str(code))
+        except OSError:
+            pass
+    sys.stdout.flush()
+    return _Reported(code)
+
+
+def _draws_random(model: nn.Module) -> bool:
+    """Whether a training step draws random numbers (dropout with p > 0)."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.dropout._DropoutNd) and m.p > 0:
+            return True
+        p = getattr(m, "dropout", None)
+        if isinstance(p, float) and p > 0:
+            return True
+    return False
+
+
+class _StopAgreement:
+    """Every ``period`` steps the ranks tell each other whether any was asked to stop (through the
+    process group's store: a few host round trips, no device sync), so all stop at the same step.
+
+    Signals reach every rank at about the same time (the terminal's Ctrl-C reaches the process
+    group, torchrun forwards what it gets), but a rank may be a step ahead; stopping where each
+    one heard its signal would leave the others blocked in a collective."""
+
+    def __init__(self, stop, world_size: int, period: int):
+        self.stop, self.world, self.period = stop, world_size, max(1, period)
+        self.store = None
+        if world_size > 1:
+            store = dist.distributed_c10d._get_default_store()
+            self.store = dist.PrefixStore("torchacc-stop", store)
+        self._last = None
+
+    def __call__(self, step: int) -> int | None:
+        """The signal to stop with after ``step`` steps, or None to go on."""
+        if self.store is None:
+            return self.stop.signum
+        if step % self.period:
+            return None
+        mine, key, store = self.stop.signum, str(step), self.store
+        store.add(f"{key}/term", 1 if mine == signal.SIGTERM else 0)
+        store.add(f"{key}/int", 1 if mine is not None and mine != signal.SIGTERM else 0)
+        if store.add(f"{key}/n", 1) == self.world:
+            store.set(f"{key}/go", "1")
+        store.wait([f"{key}/go"])
+        term, intr = store.add(f"{key}/term", 0), store.add(f"{key}/int", 0)
+        if self._last is not None and dist.get_rank() == 0:
+            for part in ("term", "int", "n", "go"):
+                store.delete_key(f"{self._last}/{part}")
+        self._last = key
+        if term:
+            return signal.SIGTERM
+        return signal.SIGINT if intr else None
+
+
+def _compile_counter(compiler: bool) -> Callable[[], int]:
+    """Programs compiled so far (torch_xla's ``UncachedCompile`` counter); 0 on the eager path."""
+    if not compiler:
+        return lambda: 0
+    import torchacc.torch_xla.debug.metrics as met
+
+    return lambda: met.counter_value("UncachedCompile") or 0
+
+
+def _hardware(compiler: bool, device, local_rank: int) -> str:
+    """The run's device in words: ``XLA:GPU <name>``, ``XLA:CPU``, ``cuda:0 <name>``, ``cpu``."""
+    if compiler:
+        import torchacc
+
+        hw = torchacc.device_hw()
+        if hw == "GPU":
+            try:
+                return f"XLA:GPU {torchacc.jax_device().device_kind}"
+            except Exception:
+                return "XLA:GPU"
+        return "XLA:CPU"
+    if device.type == "cuda":
+        return f"{device} {torch.cuda.get_device_name(device)}"
+    return str(device)
+
+
 # ----------------------------------------------------------------------------- entry points
 def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | None = None) -> dict:
     """Parse the launcher's flags, build the task and train. Returns the metrics (rank 0)."""
     args = parse_args(argv)
+    checks.guard_worker()
+    rank = int(os.environ.get("RANK", "0"))
+    errors = checks.path_errors(args)
+    if errors:
+        raise _exit_reported(2, f"error: {errors[0]}", rank)
     _ensure_distributed_env()
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
         os.environ["TORCHACC_KERNEL_OPT"] = "1"
     return train(task_factory(args), args)
+
+
+def _load_resume(args, task: Task, model: nn.Module, rank: int, logger) -> dict:
+    """The ``--resume`` checkpoint, loaded safely and checked against this run; a problem exits 2
+    with one line."""
+    warn = logger.warning if rank == 0 else (lambda line: None)
+    try:
+        path, _ = resolve_checkpoint(args.resume, warn=warn)
+        ckpt = load_checkpoint(path)
+    except CheckpointError as e:
+        raise _exit_reported(2, f"error: --resume {e}", rank) from None
+    trained = ckpt.get("model_name") or (ckpt.get("args") or {}).get("model")
+    if trained is not None and trained != task.name:
+        raise _exit_reported(
+            2,
+            f"error: --resume {path}: checkpoint of model {trained}, this run trains {task.name}",
+            rank,
+        )
+    diff = state_mismatch(model.state_dict(), ckpt["model"], "parameter/buffer")
+    if diff:
+        raise _exit_reported(
+            2, f"error: --resume {path}: the checkpoint does not fit {task.name}: {diff}", rank
+        )
+    model.load_state_dict(ckpt["model"])
+    ckpt["path"] = path
+    return ckpt
 
 
 def train(task: Task, args: argparse.Namespace) -> dict:
@@ -179,8 +318,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
 
     ckpt = None
     if args.resume:
-        ckpt = load_checkpoint(args.resume)
-        model.load_state_dict(ckpt["model"])
+        ckpt = _load_resume(args, task, model, rank, logger)
 
     # ---- distributed init + device placement
     cuda = False
@@ -191,7 +329,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         rank, world_size = xm.get_ordinal(), xm.xrt_world_size()
         model.to(device)
         xm.mark_step()
-        set_peak_memory_fn(_xla_peak_memory_fn(xm, device), "xla")
+        if xm.xla_device_hw(device) == "GPU":
+            set_peak_memory_fn(_xla_peak_memory_fn(xm, device), "xla")
+        else:  # XLA:CPU's memory info is the machine's RAM, not this process: peak RSS instead
+            reset_peak_memory_fn()
         mode = "torchacc"
     else:
         cuda = torch.cuda.is_available()
@@ -277,6 +418,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     samples_per_step = args.batch_size * world_size
     dtype_name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp_dtype]
     device_name = str(device)
+    hardware = _hardware(compiler, device, local_rank)
+    reseed = _draws_random(_unwrap(model))  # else one seed (above) is all a step needs
 
     if rank == 0:
         desc = task.describe(_unwrap(model)) if task.describe else task.name
@@ -284,7 +427,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             {k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY},
             logger,
             mode=mode,
-            device=device_name,
+            device=device_name if hardware == device_name else f"{device_name} ({hardware})",
             world_size=world_size,
             amp=f"{args.amp_level}/{dtype_name}" + ("+GradScaler" if scaler is not None else ""),
             optimizer=optimizer_cls.__module__ + "." + optimizer_cls.__name__,
@@ -298,9 +441,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             model_desc=desc,
         )
 
-    def save(step: int) -> None:
+    def save(step: int) -> bool:
+        """Write a checkpoint (rank 0); False, after one line saying why, if it failed."""
         if rank != 0:
-            return
+            return True
         if compiler:
             xm.mark_step()
         state = {
@@ -313,8 +457,18 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             "args": vars(args),
             "model_name": task.name,
         }
-        path = save_checkpoint(args.save_dir, state, step)
+        try:
+            path = save_checkpoint(args.save_dir, state, step)
+        except (OSError, RuntimeError) as e:  # disk full, I/O error (torch wraps some as Runtime)
+            line = save_failure_line(args.save_dir, step, e, state_nbytes(state))
+            later = min(step + args.save_interval, total_steps) if args.save_interval else step
+            if later > step:
+                line += f"; retrying at step {later}"
+            logger.warning(line)
+            save_errors.append(line)
+            return False
         logger.info(f"saved checkpoint {path}")
+        return True
 
     # ---- the loop
     steps: list[int] = []
@@ -322,6 +476,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     step_times: list[float] = []
     intervals: list[dict] = []
     pending: list[torch.Tensor] = []
+    save_errors: list[str] = []
+    saved_ok: dict[int, bool] = {}
     model.train()
 
     def fetch_losses() -> None:
@@ -335,16 +491,32 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         losses.extend(values)
         pending.clear()
 
+    compile_count = _compile_counter(compiler)
+    stop = checks.StopRequest()
+    agree = _StopAgreement(stop, world_size, min(args.log_interval, 10))
+    previous_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    stop_signal = None
+    compiles_first = compiler or args.torch_compile
+    if rank == 0 and compiles_first and steps_to_run > 0:
+        logger.info(
+            f"step {start_step + 1}: tracing and compiling the training step (the first step "
+            "compiles; later steps reuse it)"
+        )
+
     step = start_step
     t_start = time.perf_counter()
     t_last = t_interval = t_start
-    interval_start_step = step
     t_warm = None
+    t_first = None  # when the first step (with its compile) was done
     first_step_time = None
-    while step < total_steps:
+    compiled_steps: list[int] = []  # steps that compiled a program: left out of ETA / step time
+    interval_times: list[tuple[float, bool]] = []  # (seconds, compiled) of this interval's steps
+    while step < total_steps and stop_signal is None:
         epoch, offset = divmod(step, steps_per_epoch)
         for inputs, target in loader.batches(epoch, offset, offset + total_steps - step):
-            torch.manual_seed(step_seed(args.seed, rank, step))
+            if reseed:
+                torch.manual_seed(step_seed(args.seed, rank, step))
+            compiles_before = compile_count()
             if compiler:
                 inputs, target = inputs.to(device), target.to(device)
             else:
@@ -386,17 +558,34 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 fetch_losses()  # synchronizes with the device
             now = time.perf_counter()
             step_times.append(now - t_last)
+            compiled = done == 1 or compile_count() > compiles_before
+            interval_times.append((now - t_last, compiled))
+            if compiled:
+                compiled_steps.append(step)
+                if done > 1 and rank == 0:
+                    logger.info(f"step {step} compiled a new program ({now - t_last:.2f} s)")
             t_last = now
             if done == 1:
                 first_step_time = now - t_start
+                t_first = now
+                stop.install()  # start-up is over: signals now stop at a step boundary
+                if rank == 0 and compiles_first:
+                    logger.info(
+                        f"first step done in {first_step_time:.2f} s (trace + compile + run); "
+                        "step times and ETA count the steps after it"
+                    )
             if at_warm:
                 t_warm = now
             if at_log and rank == 0:
-                n = step - interval_start_step
-                batch_time = (now - t_interval) / max(n, 1)
+                # Steps that compiled are left out: their time says nothing about the others.
+                plain = [t for t, c in interval_times if not c]
+                if plain:
+                    batch_time = sum(plain) / len(plain)
+                    eta = batch_time * (total_steps - step)
+                else:
+                    batch_time, eta = (now - t_interval) / max(len(interval_times), 1), None
                 sps = samples_per_step / batch_time if batch_time > 0 else float("nan")
                 mem, mem_src = peak_memory_gib()
-                eta = batch_time * (total_steps - step)
                 log_metrics(
                     epoch,
                     step,
@@ -422,17 +611,26 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                     }
                 )
             if at_log:
-                t_interval, interval_start_step = now, step
+                t_interval = now
+                interval_times.clear()
             if args.save_dir and args.save_interval and step % args.save_interval == 0:
-                save(step)
+                saved_ok[step] = save(step)
+            if t_first is not None:
+                stop_signal = agree(step)
+                if stop_signal is not None:
+                    break
     fetch_losses()
     t_end = time.perf_counter()
+    for sig, handler in previous_handlers.items():
+        signal.signal(sig, handler)
 
-    if args.save_dir and steps_to_run > 0 and (not args.save_interval or step % args.save_interval):
-        save(step)
+    if args.save_dir and steps_to_run > 0 and step not in saved_ok:
+        if stop_signal is None or stop_signal == signal.SIGTERM:
+            saved_ok[step] = save(step)
 
     # ---- summary
-    steady_steps = steps_to_run - warmup
+    done = step - start_step
+    steady_steps = max(done - warmup, 0)
     if t_warm is None:
         t_warm = t_start
     steady_time = t_end - t_warm
@@ -443,18 +641,22 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         "model": args.model,
         "world_size": world_size,
         "device": device_name,
+        "hardware": hardware,
         "amp": f"{args.amp_level}/{dtype_name}",
         "start_step": start_step,
         "total_steps": total_steps,
-        "steps_run": steps_to_run,
+        "steps_run": done,
         "warmup_steps": warmup,
         "first_step_time_s": first_step_time,
+        "compiled_steps": compiled_steps,
         "steady_samples_per_sec": steady_sps,
         "steady_step_time_s": steady_time / steady_steps if steady_steps > 0 else None,
         "total_time_s": t_end - t_start,
         "final_loss": losses[-1] if losses else None,
         "peak_mem_gib": peak_mem,
         "peak_mem_source": mem_src,
+        "interrupted": signal.Signals(stop_signal).name if stop_signal else None,
+        "save_errors": save_errors,
     }
     if task.tokens_per_sample:
         summary["steady_tokens_per_sec"] = steady_sps * task.tokens_per_sample
@@ -464,6 +666,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             "mode": mode,
             "world_size": world_size,
             "device": device_name,
+            "hardware": hardware,
             "amp_dtype_resolved": dtype_name,
             "grad_scaler": scaler is not None,
             "lr_resolved": lr,
@@ -489,16 +692,42 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             f" ({summary['steady_tokens_per_sec']:.0f} tokens/s)" if task.tokens_per_sample else ""
         )
         step_ms = (summary["steady_step_time_s"] or float("nan")) * 1000.0
+        kind = hardware.split(" ")[0] if compiler else device.type
         line = (
-            f"[summary] {args.model} {mode} x{world_size} {device.type} {args.amp_level}/"
+            f"[summary] {args.model} {mode} x{world_size} {kind} {args.amp_level}/"
             f"{dtype_name} batch {args.batch_size}/proc | steps {start_step}->{step} | {loss_txt}"
             f" | {steady_sps:.1f} samples/s{tok}, {step_ms:.1f} ms/step after {warmup} warm-up"
             f" | first step {first_step_time or 0:.2f} s | peak mem {peak_mem:.2f} GiB ({mem_src})"
-            f" | total {format_duration(t_end - t_start)}"
+            f" | total {format_duration(t_end - t_start)} | device {hardware}"
         )
         print(line, flush=True)
         if args.output:
             _write_json(args.output, result)
     dist.destroy_process_group()
     sys.stdout.flush()
+    if stop_signal is not None:
+        raise _exit_reported(128 + stop_signal, _interrupt_line(args, step, stop_signal), rank)
+    final_failed = bool(args.save_dir and steps_to_run > 0 and saved_ok.get(step) is False)
+    if final_failed:
+        raise _exit_reported(1, f"error: final {save_errors[-1]}", rank)
     return result
+
+
+def _interrupt_line(args: argparse.Namespace, step: int, signum: int) -> str:
+    """``interrupted at step N; resume with --resume DIR`` (and what DIR holds)."""
+    name = signal.Signals(signum).name
+    if not args.save_dir:
+        return (
+            f"interrupted at step {step} ({name}); no --save_dir, so nothing to resume from "
+            "(add --save_dir DIR --save_interval N)"
+        )
+    from gallery.common.checkpoint import list_checkpoints
+
+    found = list_checkpoints(args.save_dir) if os.path.isdir(args.save_dir) else []
+    if not found:
+        return f"interrupted at step {step} ({name}); no checkpoint in {args.save_dir} yet"
+    newest = os.path.basename(found[0])
+    return (
+        f"interrupted at step {step}; resume with --resume {args.save_dir} ({name}; newest "
+        f"checkpoint {newest})"
+    )

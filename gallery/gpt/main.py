@@ -9,8 +9,13 @@ the loop is :func:`gallery.common.trainer.train`, shared with ResNet-50.
 
 from __future__ import annotations
 
-import argparse
-import sys
+if __name__ == "__main__":  # first, before torch loads (Note [Worker lifetime], launch_checks.py)
+    from gallery.common.launchlib import torchacc_launch
+
+    torchacc_launch().checks.guard_worker()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
 
 import torch
 import torch.nn.functional as F

@@ -17,8 +17,13 @@ shared with the GPT gallery model.
 
 from __future__ import annotations
 
-import argparse
-import sys
+if __name__ == "__main__":  # first, before torch loads (Note [Worker lifetime], launch_checks.py)
+    from gallery.common.launchlib import torchacc_launch
+
+    torchacc_launch().checks.guard_worker()
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
 
 import torch.nn.functional as F
 

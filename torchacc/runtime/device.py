@@ -9,10 +9,14 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import jax  # noqa: E402
 
-from torchacc import _jaxconfig  # noqa: F401  (before JAX makes any array)
+from torchacc import (
+    _jaxconfig,  # noqa: F401  (before JAX makes any array)
+    launch_checks,  # noqa: E402
+)
 from torchacc.runtime import processes  # noqa: E402
 
 
@@ -29,9 +33,21 @@ def platform():
     if forced:
         raise ValueError(f"TORCHACC_DEVICE={forced!r}: expected 'gpu', 'cuda' or 'cpu'")
     try:
-        return "gpu" if jax.devices("gpu") else "cpu"
+        if jax.devices("gpu"):
+            return "gpu"
     except RuntimeError:
-        return "cpu"
+        pass
+    _warn_if_torch_sees_cuda()
+    return "cpu"
+
+
+def _warn_if_torch_sees_cuda():
+    """One warning (platform() is cached) when torch has CUDA GPUs but JAX none."""
+    msg = launch_checks.cuda_jax_mismatch(
+        launch_checks.cuda_device_count(), launch_checks.jax_cuda_plugins(), jax_sees_gpu=False
+    )
+    if msg:
+        warnings.warn(f"torchacc: {msg}", RuntimeWarning, stacklevel=3)
 
 
 @functools.lru_cache(maxsize=None)

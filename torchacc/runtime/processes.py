@@ -9,6 +9,9 @@ Environment (torchrun sets the first five):
 - ``MASTER_ADDR``, ``MASTER_PORT``: the JAX coordinator (hosted by rank 0) listens on
   ``MASTER_ADDR:MASTER_PORT+1`` (torchrun's store has MASTER_PORT itself).
 - ``TORCHACC_COORDINATOR_ADDRESS`` (``host:port``) or ``TORCHACC_COORDINATOR_PORT``: override that.
+- The coordinator binds to that same ``host:port`` (loopback on one node, the ``MASTER_ADDR``
+  interface on several), not to every interface as JAX would by default;
+  ``TORCHACC_COORDINATOR_BIND_ADDRESS`` (``host:port``) overrides it.
 - ``TORCHACC_DISTRIBUTED=0``: never join a job automatically (each process stands alone).
 - ``TORCHACC_HEARTBEAT_TIMEOUT`` (s, default 20): a rank that stops sending heartbeats (killed,
   machine gone) is declared dead after this long and every other rank is terminated.
@@ -149,6 +152,8 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                 num_processes=world,
                 process_id=rank,
                 local_device_ids=[local_rank],
+                coordinator_bind_address=os.environ.get("TORCHACC_COORDINATOR_BIND_ADDRESS")
+                or address,
                 initialization_timeout=_env_int("TORCHACC_INIT_TIMEOUT", 300),
                 heartbeat_timeout_seconds=_env_int("TORCHACC_HEARTBEAT_TIMEOUT", 20),
                 shutdown_timeout_seconds=_env_int("TORCHACC_SHUTDOWN_TIMEOUT", 300),

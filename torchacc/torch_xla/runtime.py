@@ -109,6 +109,7 @@ def set_device_type(pjrt_device):
     import os
 
     from torchacc.runtime import device as _device
+
     kind = _DEVICE_TYPES.get(str(pjrt_device).upper())
     if kind is None:
         raise NotImplementedError(

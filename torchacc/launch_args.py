@@ -1,0 +1,317 @@
+"""The launcher's command line: flags, their value types and checks, and the worker's argv.
+
+``torchacc.launch`` parses with ``parse_args`` and hands ``worker_argv`` to each worker.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# --model name -> worker module. GPT names are the configurations in gallery/gpt/model.py.
+MODELS: dict[str, str] = {
+    "resnet50": "gallery.resnet50.main",
+    "gpt2": "gallery.gpt.main",
+    "gpt2-medium": "gallery.gpt.main",
+    "gpt2-large": "gallery.gpt.main",
+    "gpt-mini": "gallery.gpt.main",
+    "gpt-tiny": "gallery.gpt.main",
+}
+
+# Flags that only the launcher reads; everything else is forwarded to the workers.
+LAUNCH_ONLY = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "master_addr",
+    "master_port",
+    "oversubscribe",
+)
+
+
+# ----------------------------------------------------------------------------- value types
+def _int_at_least(lo: int, what: str):
+    def conv(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{what}: expected an integer, got {text!r}") from None
+        if value < lo:
+            raise argparse.ArgumentTypeError(f"{what}: must be >= {lo}, got {value}")
+        return value
+
+    conv.__name__ = what
+    return conv
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number > 0, got {text}")
+    return value
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
+    return value
+
+
+def _nproc(text: str) -> int | str:
+    if text in ("auto", "gpu", "cpu"):
+        return text
+    return _int_at_least(1, "nproc_per_node")(text)
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(1, "master_port")(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"master_port: must be <= 65535, got {value}")
+    return value
+
+
+def _data(text: str) -> str:
+    if text == "mock":
+        return text
+    if not os.path.isdir(text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is neither 'mock' nor an existing directory (an ImageFolder tree: "
+            "DIR/<class>/<image> or DIR/train/<class>/<image>)"
+        )
+    return os.path.abspath(text)
+
+
+def _existing_path(text: str) -> str:
+    if not os.path.exists(text):
+        raise argparse.ArgumentTypeError(f"checkpoint {text!r} does not exist")
+    return os.path.abspath(text)
+
+
+# ----------------------------------------------------------------------------- parser
+class _HelpFormatter(argparse.HelpFormatter):
+    """Show a flag's default unless its help already says it (or there is none worth saying)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        if (
+            "default" not in text
+            and action.option_strings
+            and action.default is not None
+            and action.default is not False
+            and action.default != argparse.SUPPRESS
+        ):
+            text += " (default: %(default)s)"
+        return text
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="launch_single_task.py",
+        description=(
+            "Train a gallery model as eager PyTorch (DDP + AMP; the baseline) or, with "
+            "--compiler-opt, through torchacc's lazy XLA device. Workers are started with "
+            "torch.distributed.run, or run in place under mpirun/torchrun."
+        ),
+        allow_abbrev=False,
+        formatter_class=_HelpFormatter,
+    )
+    g = p.add_argument_group("processes (torchrun semantics)")
+    g.add_argument(
+        "--nproc_per_node",
+        type=_nproc,
+        default=1,
+        help="worker processes on this node (an int, or 'auto'/'gpu': one per GPU, 'cpu': 1)",
+    )
+    g.add_argument("--nnodes", type=_int_at_least(1, "nnodes"), default=1, help="number of nodes")
+    g.add_argument(
+        "--node_rank", type=_int_at_least(0, "node_rank"), default=0, help="rank of this node"
+    )
+    g.add_argument("--master_addr", default=None, help="rendezvous host (default 127.0.0.1)")
+    g.add_argument(
+        "--master_port",
+        type=_port,
+        default=None,
+        help="rendezvous port (default: a free port on one node, 29500 on several)",
+    )
+    g.add_argument(
+        "--oversubscribe",
+        action="store_true",
+        help="allow more processes than CPU cores on a CPU-only node (GPUs: one process each)",
+    )
+
+    g = p.add_argument_group("model and mode")
+    g.add_argument("--model", choices=sorted(MODELS), default="resnet50", help="gallery model")
+    g.add_argument(
+        "--compiler-opt",
+        "--compiler_opt",
+        dest="compiler_opt",
+        action="store_true",
+        help="run the training step through torchacc (lazy XLA device); without it: eager DDP",
+    )
+    g.add_argument(
+        "--kernel-opt",
+        "--kernel_opt",
+        dest="kernel_opt",
+        action="store_true",
+        help="ask the compiler path for its optimized kernels (sets TORCHACC_KERNEL_OPT=1)",
+    )
+    g.add_argument(
+        "--torch_compile",
+        action="store_true",
+        help="eager path only: wrap the model in torch.compile (Inductor) for comparison",
+    )
+    g.add_argument(
+        "--amp_level",
+        choices=("O0", "O1"),
+        default="O1",
+        help="O0: float32; O1: autocast (+ GradScaler for fp16)",
+    )
+    g.add_argument(
+        "--amp_dtype",
+        choices=("bf16", "fp16"),
+        default=None,
+        help="autocast dtype for O1 (default: bf16 where the device supports it, else fp16)",
+    )
+
+    g = p.add_argument_group("training")
+    g.add_argument(
+        "--batch_size", type=_int_at_least(1, "batch_size"), default=128, help="per process"
+    )
+    g.add_argument(
+        "--max_steps",
+        type=_int_at_least(1, "max_steps"),
+        default=None,
+        help="total optimizer steps (overrides --epochs)",
+    )
+    g.add_argument(
+        "--epochs", type=_int_at_least(1, "epochs"), default=1, help="passes over the data"
+    )
+    g.add_argument(
+        "--lr",
+        type=_positive_float,
+        default=None,
+        help="AdamW learning rate (default: 1e-3 for resnet50, 6e-4 for the gpt models)",
+    )
+    g.add_argument(
+        "--weight_decay",
+        type=_nonneg_float,
+        default=None,
+        help="AdamW weight decay (default: 1e-4 for resnet50, 0.1 for the gpt models)",
+    )
+    g.add_argument(
+        "--image_size", type=_int_at_least(16, "image_size"), default=224, help="resnet50 only"
+    )
+    g.add_argument(
+        "--seq_len",
+        type=_int_at_least(2, "seq_len"),
+        default=None,
+        help="gpt: tokens per sample (default: the model's block size, 1024 for gpt2)",
+    )
+    g.add_argument(
+        "--data",
+        type=_data,
+        default="mock",
+        help="'mock' (in-memory synthetic data) or, for resnet50, an ImageFolder directory",
+    )
+    g.add_argument(
+        "--mock_samples",
+        type=_int_at_least(1, "mock_samples"),
+        default=None,
+        help="mock dataset size (default: 1,281,167 images like ImageNet-1k train; gpt: 2**20)",
+    )
+    g.add_argument(
+        "--workers",
+        type=_int_at_least(0, "workers"),
+        default=None,
+        help="DataLoader workers per process for ImageFolder data (default: min(8, cpus/procs))",
+    )
+    g.add_argument(
+        "--seed", type=_int_at_least(0, "seed"), default=42, help="model init, data order, RNG"
+    )
+
+    g = p.add_argument_group("logging and checkpoints")
+    g.add_argument(
+        "--log_interval",
+        type=_int_at_least(1, "log_interval"),
+        default=10,
+        help="steps between progress lines (the loss is read from the device only then)",
+    )
+    g.add_argument("--output", default=None, help="write metrics as JSON to this file (rank 0)")
+    g.add_argument("--save_dir", default=None, help="directory for checkpoints (rank 0 writes)")
+    g.add_argument(
+        "--save_interval",
+        type=_int_at_least(0, "save_interval"),
+        default=0,
+        help="save every N steps (0: only at the end); needs --save_dir",
+    )
+    g.add_argument(
+        "--resume",
+        type=_existing_path,
+        default=None,
+        help="checkpoint file, or a directory: its latest checkpoint",
+    )
+    g.add_argument(
+        "--warmup_steps",
+        type=_int_at_least(0, "warmup_steps"),
+        default=None,
+        help="steps left out of the steady-state samples/s (default: min(5, steps // 2))",
+    )
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.save_interval and not args.save_dir:
+        parser.error("--save_interval needs --save_dir")
+    if args.node_rank >= args.nnodes:
+        parser.error(f"--node_rank {args.node_rank} must be < --nnodes {args.nnodes}")
+    if args.nnodes > 1 and args.master_addr is None and "MASTER_ADDR" not in os.environ:
+        parser.error("--nnodes > 1 needs --master_addr (the address of node 0)")
+    if args.model == "resnet50":
+        if args.seq_len is not None:
+            parser.error("--seq_len applies to the gpt models, not resnet50")
+    else:
+        if args.data != "mock":
+            parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
+        block = _gpt_block_size(args.model) if args.seq_len is not None else None
+        if block is not None and args.seq_len > block:
+            parser.error(f"--seq_len {args.seq_len} > {args.model}'s block size {block}")
+    if args.torch_compile and args.compiler_opt:
+        parser.error(
+            "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
+        )
+    return args
+
+
+def _gpt_block_size(model: str) -> int | None:
+    try:
+        from gallery.gpt.model import CONFIGS
+    except ImportError:  # the gallery is not importable from here: the worker checks it
+        return None
+    cfg = CONFIGS.get(model)
+    return None if cfg is None else cfg.block_size
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """The training flags (launch-only ones removed), as the workers will parse them."""
+    out: list[str] = []
+    for action in build_parser()._actions:
+        dest = action.dest
+        if dest in LAUNCH_ONLY or dest == "help" or not action.option_strings:
+            continue
+        value = getattr(args, dest, None)
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):
+            if value:
+                out.append(flag)
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
