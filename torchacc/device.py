@@ -83,6 +83,9 @@ def register_backend():
             DEVICE_TYPE, backend_module=_BackendModule(), device_guard=_DeviceGuard()
         )
     _registered = True
+    from torchacc import _autograd_engine  # a backward before `import torchacc` sized the engine
+
+    _autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
 
 
 @functools.lru_cache(maxsize=None)
