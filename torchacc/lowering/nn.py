@@ -273,6 +273,37 @@ def _convolution(
     )
 
 
+# The *_overrideable convolutions are where torch routes a convolution on an out-of-tree backend
+# (torch 2.11 sends PrivateUse1 there; other versions reach aten.convolution). Same arguments as
+# convolution (the backward has no bias_sizes); torch has no meta kernel for them, so recording
+# gets one here from convolution's own meta.
+
+
+def conv_out_channels(weight, transposed, groups):
+    return weight.shape[1] * groups if transposed else weight.shape[0]
+
+
+def _convolution_overrideable_meta(input, weight, bias, *conv_args):
+    return aten.convolution.default(input, weight, bias, *conv_args)
+
+
+def _convolution_backward_overrideable_meta(grad_output, input, weight, *args):
+    *conv_args, output_mask = args
+    transposed, groups = conv_args[3], conv_args[5]
+    bias_sizes = [conv_out_channels(weight, transposed, groups)]
+    return aten.convolution_backward.default(
+        grad_output, input, weight, bias_sizes, *conv_args, output_mask
+    )
+
+
+_aten_meta = torch.library.Library("aten", "IMPL")
+_aten_meta.impl("convolution_overrideable", _convolution_overrideable_meta, "Meta")
+_aten_meta.impl(
+    "convolution_backward_overrideable", _convolution_backward_overrideable_meta, "Meta"
+)
+register(aten.convolution_overrideable.default)(convolution)
+
+
 # -------------------------------------------------------------------------------------------------
 # pooling (over the last two dims; works for (C, H, W) and (N, C, H, W))
 
