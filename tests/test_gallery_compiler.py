@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import skip_unless_devices
 from gallery_harness import check_metrics, load_metrics, run_launcher
 
 COMPILER_PATH_READY = True
@@ -41,6 +42,7 @@ def _losses(tmp_path, name, flags):
 @pytest.mark.parametrize("nproc", [1, 2])
 @pytest.mark.parametrize("model", sorted(CASES))
 def test_compiler_path_matches_eager_at_O0(tmp_path, model, nproc):
+    skip_unless_devices(nproc)
     flags = [*CASES[model], f"--nproc_per_node={nproc}", "--amp_level=O0"]
     _, eager = _losses(tmp_path, "eager", flags)
     p, acc = _losses(tmp_path, "torchacc", [*flags, "--compiler-opt"])
