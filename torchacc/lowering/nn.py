@@ -22,6 +22,7 @@ import torch
 from jax import lax
 
 from torchacc import ops
+from torchacc.lowering import precision
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -43,18 +44,9 @@ def scalar(value, dtype):
     return jnp.asarray(value).astype(dtype)
 
 
-def dot_precision(dtype):
-    """lax precision of a float32 matmul, following torch.get_float32_matmul_precision()."""
-    if dtype == jnp.float32 and torch.get_float32_matmul_precision() == "highest":
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
-
-
-def conv_precision(dtype):
-    """lax precision of a float32 convolution, following torch.backends.cudnn.allow_tf32."""
-    if dtype == jnp.float32 and not torch.backends.cudnn.allow_tf32:
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
+# float32 precision of dots and convolutions: Note [float32 precision follows torch]
+dot_precision = precision.dot_precision
+conv_precision = precision.conv_precision
 
 
 def dot(a, b, dims):
