@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from torchacc import metrics
 from torchacc.distributed import runtime as _spmd  # Note [Multi-process programs]
 from torchacc.graph import ScalarSlot, TensorSlot
+from torchacc.lowering import precision
 from torchacc.lowering.dtypes import jdtype
 
 _cache: dict = {}
@@ -251,7 +252,8 @@ def _wrapped_dtype(kind, node):
 
 def compiled_for(graph, args):
     """The executable for ``graph`` (compiling it on a cache miss)."""
-    exe = _cache.get(graph.key)
+    key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
+    exe = _cache.get(key)
     if exe is not None:
         metrics.counter_inc("CachedCompile")
         memory_hits[0] += 1
@@ -259,20 +261,21 @@ def compiled_for(graph, args):
     if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
         print(
             f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
-            f"{explain_miss(graph.key)}",
+            f"{explain_miss(key)}",
             file=sys.stderr,
         )
     start = time.perf_counter()
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
-    if _spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process programs]
-        exe = _spmd.compile_spmd(_program(graph), args, donate)
-    else:
-        fn = jax.jit(_program(graph), donate_argnums=donate)
-        exe = fn.lower(*args).compile()
+    with precision.scope():
+        if _spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
+            exe = _spmd.compile_spmd(_program(graph), args, donate)
+        else:
+            fn = jax.jit(_program(graph), donate_argnums=donate)
+            exe = fn.lower(*args).compile()
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
-    _cache[graph.key] = exe
+    _cache[key] = exe
     return exe
 
 
@@ -280,7 +283,7 @@ def explain_miss(key):
     """Why ``key`` is not in the cache: the nearest cached graph and what differs."""
     if not _cache:
         return "first graph"
-    in_avals, parts, out_ids, donate = key
+    in_avals, parts, out_ids = key[:3]
     best, best_score = None, -1
     for other in _cache:
         score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a == b)
@@ -307,6 +310,8 @@ def explain_miss(key):
         return f"{len(parts) // 2} ops vs {len(o_parts) // 2} in the nearest cached graph"
     if out_ids != best[2]:
         return "the same ops, but different tensors are live at the sync"
+    if key[4:] != best[4:]:
+        return f"float32 precision settings {key[4]} differ from the cached graph's {best[4]}"
     return "the same graph with different donated buffers"
 
 
