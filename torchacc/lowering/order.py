@@ -155,5 +155,3 @@ def histc(self, bins=100, min=0, max=0):
     pos = jnp.where(inside, pos, bins)  # out of range -> a dropped extra bin
     counts = jnp.zeros(bins + 1, x.dtype).at[pos].add(1)[:bins]
     return counts.astype(self.dtype)
-
-
