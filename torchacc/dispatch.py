@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch._decomp import decomposition_table
 
-from torchacc import metrics, tensor
+from torchacc import _lenient, metrics, tensor
 from torchacc import random as device_random
 from torchacc.graph import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value
 from torchacc.lowering import lookup
@@ -1018,6 +1018,10 @@ def _handler(func):
 
 
 def _classify(func):
+    return _lenient.wrap(func, _classify_op(func))  # torch_xla's leniencies (torchacc/_lenient.py)
+
+
+def _classify_op(func):
     if func in _SPECIAL:
         return _SPECIAL[func]
     name = func.overloadpacket.__name__
