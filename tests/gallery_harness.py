@@ -67,7 +67,8 @@ def load_metrics(path) -> dict:
 
 
 def check_metrics(m: dict, steps: int, world_size: int, start: int = 0) -> None:
-    """The --output JSON of a finished run has what the README promises."""
+    """The --output JSON of a finished eager run has what the README promises (peak memory from
+    torch's CUDA allocator on a GPU machine, the process's peak RSS on a CPU one)."""
     assert m["steps"] == list(range(start, start + steps))
     assert len(m["losses"]) == steps and all(math.isfinite(x) for x in m["losses"])
     assert len(m["step_times"]) == steps and all(t > 0 for t in m["step_times"])

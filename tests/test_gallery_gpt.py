@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import eager_device_type
 from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher, run_module
 
 from gallery.gpt.data import MockTokens
@@ -58,7 +59,8 @@ def test_gpt_tiny_eager_one_process_bf16(tmp_path):
         "--amp_level=O1",
         f"--output={out}",
     )
-    assert "[summary] gpt-tiny eager x1 cpu O1/bf16" in p.stdout and "tokens/s" in p.stdout
+    summary = f"[summary] gpt-tiny eager x1 {eager_device_type()} O1/bf16"
+    assert summary in p.stdout and "tokens/s" in p.stdout
     m = load_metrics(out)
     check_metrics(m, steps=3, world_size=1)
     assert m["config"]["amp_dtype_resolved"] == "bf16" and not m["config"]["grad_scaler"]
@@ -116,5 +118,9 @@ def test_resume_equals_uninterrupted(tmp_path):
     f, a, b = load_metrics(full), load_metrics(first), load_metrics(second)
     check_metrics(b, steps=2, world_size=1, start=2)
     assert a["steps"] + b["steps"] == f["steps"] == [0, 1, 2, 3]
-    # the run crosses an epoch boundary after step 3; CPU math is deterministic: exact equality
-    assert a["losses"] + b["losses"] == f["losses"]
+    # the run crosses an epoch boundary after step 3. CPU math is deterministic: exact equality;
+    # CUDA's embedding backward accumulates with atomics (run-to-run order differs): fp16-close
+    if eager_device_type() == "cpu":
+        assert a["losses"] + b["losses"] == f["losses"]
+    else:
+        assert a["losses"] + b["losses"] == pytest.approx(f["losses"], rel=1e-3)

@@ -6,6 +6,7 @@ import shutil
 import subprocess
 
 import pytest
+from conftest import eager_device_type
 from gallery_harness import ROOT, child_env
 
 # TODO(issue 5): flip to True once --compiler-opt trains (torchacc.torch_xla compat + xla backend):
@@ -66,7 +67,7 @@ def test_notebook_executes(tmp_path):
         if cell.cell_type == "code":
             text[cell.metadata["tags"][0]] = "".join(o.get("text", "") for o in cell.outputs)
     assert "wrote 8 " in text["prepare"] and " images in 4 classes" in text["prepare"]
-    assert "[summary] resnet50 eager x1 cpu O0/fp32" in text["baseline"]
+    assert f"[summary] resnet50 eager x1 {eager_device_type()} O0/fp32" in text["baseline"]
     assert "baseline_1p" in text["compare"]
     assert (tmp_path / "work" / "baseline_1p.json").exists()
     if RUN_COMPILER_CELLS:

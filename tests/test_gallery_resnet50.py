@@ -7,6 +7,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
+from conftest import eager_device_type
 from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher
 
 from gallery.resnet50 import data as rdata
@@ -164,7 +165,7 @@ def test_eager_one_process_on_an_image_folder(tmp_path):
     )
     assert "[launch] resnet50: eager (DDP), 1 node(s) x 1 process(es)" in p.stdout
     assert "step 2/2 (100%)" in p.stdout and "samples/s" in p.stdout and "ETA" in p.stdout
-    assert "[summary] resnet50 eager x1 cpu O0/fp32 batch 2/proc" in p.stdout
+    assert f"[summary] resnet50 eager x1 {eager_device_type()} O0/fp32 batch 2/proc" in p.stdout
     m = load_metrics(out)
     check_metrics(m, steps=2, world_size=1)
     assert m["config"]["parameters"] == RESNET50_NUM_PARAMS - 2048 * 996 - 996  # 4 classes

@@ -426,3 +426,32 @@ def test_softmax_half_to_float_and_safe_softmax():
     x[1] = -float("inf")  # a fully masked row gives zeros, not nan
     check_rule(aten._safe_softmax.default, x, -1)
     check_rule(aten._safe_softmax.default, randn(2, 5), 0, torch.float64)
+
+
+# torch 2.11 routes a PrivateUse1 convolution to the *_overrideable ops (no bias_sizes in the
+# backward); called here directly on torchacc tensors, recorded (no fallback) and compared with
+# eager aten.convolution / convolution_backward on CPU.
+@pytest.mark.parametrize("name", ["2d_nobias", "1d_grouped", "t2d", "t2d_grouped"])
+def test_convolution_overrideable_on_device(name):
+    import torchacc
+
+    dev = torchacc.device()
+    x, w, b, stride, pad, dil, tr, opad, groups = _conv_args(name, torch.float32)
+    conv_args = (stride, pad, dil, tr, opad, groups)
+    want = aten.convolution.default(x, w, b, *conv_args)
+    g = randn(*want.shape)
+    mask = [True, True, b is not None]
+    bias_sizes = [b.shape[0]] if b is not None else None
+    want_grads = aten.convolution_backward.default(g, x, w, bias_sizes, *conv_args, mask)
+
+    torchacc.metrics.clear_counters()
+    d = lambda t: None if t is None else t.to(dev)  # noqa: E731
+    got = aten.convolution_overrideable.default(d(x), d(w), d(b), *conv_args)
+    got_grads = aten.convolution_backward_overrideable.default(d(g), d(x), d(w), *conv_args, mask)
+    torchacc.sync()
+    assert torchacc.metrics.executed_fallback_ops() == []
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-4, atol=1e-4)
+    for i, (a, e) in enumerate(zip(got_grads, want_grads, strict=True)):
+        assert (a is None) == (e is None), i
+        if e is not None:
+            torch.testing.assert_close(a.cpu(), e, rtol=1e-4, atol=1e-4, msg=f"grad {i}")

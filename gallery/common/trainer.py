@@ -350,9 +350,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         if cuda and task.channels_last:
             model = model.to(memory_format=torch.channels_last)
             torch.backends.cudnn.benchmark = True
-        if cuda and args.amp_level != "O0":
-            torch.backends.cuda.matmul.allow_tf32 = True
-            torch.backends.cudnn.allow_tf32 = True
+        if cuda:  # O1: TF32 matmuls/convolutions; O0 is exact fp32 (torch's conv default is TF32)
+            tf32 = args.amp_level != "O0"
+            torch.backends.cuda.matmul.allow_tf32 = tf32
+            torch.backends.cudnn.allow_tf32 = tf32
         model.to(device)
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True

@@ -10,6 +10,7 @@ import itertools
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
 
+from torchacc.lazy import autograd_engine
 from torchacc.runtime import device as _runtime_device
 
 DEVICE_TYPE = "torchacc"
@@ -92,6 +93,11 @@ def register_backend():
             DEVICE_TYPE, backend_module=_BackendModule(), device_guard=_DeviceGuard()
         )
     _registered = True
+    # a backward before `import torchacc` sized the autograd engine's device queues
+    autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
+    from torchacc import _autograd_engine  # a backward before `import torchacc` sized the engine
+
+    _autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
 
 
 def device(index=0):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch._decomp import decomposition_table
 
-from torchacc.lazy import tensor
+from torchacc.lazy import lenient, tensor
 from torchacc.lazy.fallback import fallback_handler
 from torchacc.lazy.foreach import foreach_handler
 from torchacc.lazy.mutation import (
@@ -144,6 +144,10 @@ def _handler(func):
 
 
 def _classify(func):
+    return lenient.wrap(func, _classify_op(func))  # torch_xla's leniencies (lenient.py)
+
+
+def _classify_op(func):
     if func in _SPECIAL:
         return _SPECIAL[func]
     name = func.overloadpacket.__name__

@@ -6,7 +6,20 @@ Files are grouped by op family; each rule is one decorated function (see registr
 from torchacc import _jaxconfig  # noqa: F401  (x64 before any rule runs)
 from torchacc.lowering.registry import RULES, lookup, register  # noqa: F401
 
-_FAMILIES = ("pointwise", "reduction", "shape", "factory", "nn", "nn_backward", "optim")
+_FAMILIES = (
+    "pointwise",
+    "reduction",
+    "shape",
+    "factory",
+    "nn",
+    "nn_backward",
+    "optim",
+    "prims",
+    "special",
+    "order",
+    "scatter",
+    "nn_extra",
+)
 
 
 def _load_families():

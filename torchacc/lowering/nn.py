@@ -22,6 +22,7 @@ import torch
 from jax import lax
 
 from torchacc.lowering import custom_ops as ops
+from torchacc.lowering import precision
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -43,18 +44,9 @@ def scalar(value, dtype):
     return jnp.asarray(value).astype(dtype)
 
 
-def dot_precision(dtype):
-    """lax precision of a float32 matmul, following torch.get_float32_matmul_precision()."""
-    if dtype == jnp.float32 and torch.get_float32_matmul_precision() == "highest":
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
-
-
-def conv_precision(dtype):
-    """lax precision of a float32 convolution, following torch.backends.cudnn.allow_tf32."""
-    if dtype == jnp.float32 and not torch.backends.cudnn.allow_tf32:
-        return lax.Precision.HIGHEST
-    return lax.Precision.DEFAULT
+# float32 precision of dots and convolutions: Note [float32 precision follows torch]
+dot_precision = precision.dot_precision
+conv_precision = precision.conv_precision
 
 
 def dot(a, b, dims):
@@ -271,6 +263,37 @@ def _convolution(
     return convolution(
         input, weight, bias, stride, padding, dilation, transposed, output_padding, groups
     )
+
+
+# The *_overrideable convolutions are where torch routes a convolution on an out-of-tree backend
+# (torch 2.11 sends PrivateUse1 there; other versions reach aten.convolution). Same arguments as
+# convolution (the backward has no bias_sizes); torch has no meta kernel for them, so recording
+# gets one here from convolution's own meta.
+
+
+def conv_out_channels(weight, transposed, groups):
+    return weight.shape[1] * groups if transposed else weight.shape[0]
+
+
+def _convolution_overrideable_meta(input, weight, bias, *conv_args):
+    return aten.convolution.default(input, weight, bias, *conv_args)
+
+
+def _convolution_backward_overrideable_meta(grad_output, input, weight, *args):
+    *conv_args, output_mask = args
+    transposed, groups = conv_args[3], conv_args[5]
+    bias_sizes = [conv_out_channels(weight, transposed, groups)]
+    return aten.convolution_backward.default(
+        grad_output, input, weight, bias_sizes, *conv_args, output_mask
+    )
+
+
+_aten_meta = torch.library.Library("aten", "IMPL")
+_aten_meta.impl("convolution_overrideable", _convolution_overrideable_meta, "Meta")
+_aten_meta.impl(
+    "convolution_backward_overrideable", _convolution_backward_overrideable_meta, "Meta"
+)
+register(aten.convolution_overrideable.default)(convolution)
 
 
 # -------------------------------------------------------------------------------------------------

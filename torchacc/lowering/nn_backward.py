@@ -59,6 +59,15 @@ def convolution_backward(
     return gi, gw, gb
 
 
+@register(aten.convolution_backward_overrideable.default)
+def convolution_backward_overrideable(
+    grad_output, input, weight, stride, padding, dilation, transposed, output_padding, groups, mask
+):
+    bias_sizes = [nn.conv_out_channels(weight, transposed, groups)]
+    args = (stride, padding, dilation, transposed, output_padding, groups, mask)
+    return convolution_backward(grad_output, input, weight, bias_sizes, *args)
+
+
 # -------------------------------------------------------------------------------------------------
 # pooling
 

@@ -12,6 +12,7 @@ import time
 import jax
 
 from torchacc import metrics
+from torchacc.lowering import precision
 from torchacc.program import spmd  # Note [Multi-process programs]
 from torchacc.program.build import program_of
 from torchacc.program.key import explain_miss
@@ -47,7 +48,8 @@ jax.monitoring.register_event_listener(_on_event)
 
 def compiled_for(graph, args):
     """The executable for ``graph`` (compiling it on a cache miss)."""
-    exe = _cache.get(graph.key)
+    key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
+    exe = _cache.get(key)
     if exe is not None:
         metrics.counter_inc("CachedCompile")
         memory_hits[0] += 1
@@ -55,20 +57,21 @@ def compiled_for(graph, args):
     if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
         print(
             f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
-            f"{explain_miss(graph.key, _cache)}",
+            f"{explain_miss(key, _cache)}",
             file=sys.stderr,
         )
     start = time.perf_counter()
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
-    if spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process programs]
-        exe = spmd.compile_spmd(program_of(graph), args, donate)
-    else:
-        fn = jax.jit(program_of(graph), donate_argnums=donate)
-        exe = fn.lower(*args).compile()
+    with precision.scope():
+        if spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
+            exe = spmd.compile_spmd(program_of(graph), args, donate)
+        else:
+            fn = jax.jit(program_of(graph), donate_argnums=donate)
+            exe = fn.lower(*args).compile()
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
-    _cache[graph.key] = exe
+    _cache[key] = exe
     return exe
 
 

@@ -117,7 +117,7 @@ def explain_miss(key, cached):
     """Why ``key`` is not among the ``cached`` keys: the nearest one and what differs."""
     if not cached:
         return "first graph"
-    in_avals, parts, out_ids, donate = key
+    in_avals, parts, out_ids = key[:3]
     best, best_score = None, -1
     for other in cached:
         score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a == b)
@@ -144,4 +144,6 @@ def explain_miss(key, cached):
         return f"{len(parts) // 2} ops vs {len(o_parts) // 2} in the nearest cached graph"
     if out_ids != best[2]:
         return "the same ops, but different tensors are live at the sync"
+    if key[4:] != best[4:]:
+        return f"float32 precision settings {key[4]} differ from the cached graph's {best[4]}"
     return "the same graph with different donated buffers"

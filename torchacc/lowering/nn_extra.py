@@ -1,0 +1,117 @@
+"""Less common nn ops the OpInfo sweep found falling back: pairwise distances (cdist, pdist),
+bilinear's ``_trilinear``, 3-d average pooling (fixed and adaptive). Half floats compute in
+float32 and round once, like the rest of the nn family.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax import lax
+
+from torchacc.lowering.dtypes import opmath
+from torchacc.lowering.nn import _bin_matrix, _tuple, pool_out_size
+from torchacc.lowering.registry import register
+
+aten = torch.ops.aten
+
+
+def _pnorm(diff, p):
+    """p-norm over the last axis (torch.cdist's p: 0 counts non-zeros, inf is the max)."""
+    a = jnp.abs(diff)
+    if p == 0:
+        return jnp.sum(a != 0, axis=-1).astype(diff.dtype)
+    if p == float("inf"):
+        return jnp.max(a, axis=-1, initial=0)
+    if p == 1:
+        return jnp.sum(a, axis=-1)
+    if p == 2:
+        return jnp.sqrt(jnp.sum(a * a, axis=-1))
+    return jnp.sum(a**p, axis=-1) ** (1.0 / p)
+
+
+@register(aten._cdist_forward.default, static=("p",))
+def cdist_forward(x1, x2, p, compute_mode=None):
+    """Exact differences (torch switches to a matmul form for large p=2 inputs; this is the
+    value that form approximates)."""
+    a, b = opmath(x1), opmath(x2)
+    return _pnorm(a[..., :, None, :] - b[..., None, :, :], p).astype(x1.dtype)
+
+
+@register(aten._pdist_forward.default, static=("p",))
+def pdist_forward(self, p=2.0):
+    n = self.shape[0]
+    i, j = np.triu_indices(n, 1)
+    x = opmath(self)
+    return _pnorm(x[i] - x[j], p).astype(self.dtype)
+
+
+@register(aten._trilinear.default)
+def trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim, unroll_dim=1):
+    def expand(x, dims):
+        for d in sorted(dims):
+            x = jnp.expand_dims(x, d)
+        return opmath(x)
+
+    prod = expand(i1, expand1) * expand(i2, expand2) * expand(i3, expand3)
+    return jnp.sum(prod, axis=tuple(sumdim)).astype(i1.dtype)
+
+
+def _window_counts(n, k, s, p, out, count_include_pad):
+    start = np.arange(out) * s - p
+    end = np.minimum(start + k, n + p)
+    size = end - start
+    start, end = np.maximum(start, 0), np.minimum(end, n)
+    return size if count_include_pad else end - start
+
+
+@register(aten.avg_pool3d.default)
+def avg_pool3d(
+    self,
+    kernel_size,
+    stride=(),
+    padding=0,
+    ceil_mode=False,
+    count_include_pad=True,
+    divisor_override=None,
+):
+    k = _tuple(kernel_size, 3)
+    s = _tuple(stride, 3) if stride else k
+    p = _tuple(padding, 3)
+    sizes = self.shape[-3:]
+    outs = [pool_out_size(n, k_, s_, p_, 1, ceil_mode) for n, k_, s_, p_ in zip(sizes, k, s, p)]
+    lead = self.ndim - 3
+    # pad left by p, right by whatever the last (ceil-mode) window needs
+    pads = [(0, 0)] * lead + [
+        (p_, max((o - 1) * s_ + k_ - n - p_, 0)) for n, k_, s_, p_, o in zip(sizes, k, s, p, outs)
+    ]
+    x = jnp.pad(opmath(self), pads)
+    total = lax.reduce_window(
+        x, jnp.zeros((), x.dtype), lax.add, (1,) * lead + k, (1,) * lead + s, "VALID"
+    )
+    total = total[(...,) + tuple(slice(0, o) for o in outs)]
+    if divisor_override:
+        div = np.full(outs, divisor_override, np.float64)
+    else:
+        c = [_window_counts(*a, count_include_pad) for a in zip(sizes, k, s, p, outs)]
+        div = c[0][:, None, None] * c[1][None, :, None] * c[2][None, None, :]
+    return (total / jnp.asarray(div, x.dtype)).astype(self.dtype)
+
+
+@register(aten._adaptive_avg_pool3d.default)
+def adaptive_avg_pool3d(self, output_size):
+    D, H, W = self.shape[-3:]
+    OD, OH, OW = _tuple(output_size, 3)
+    x = opmath(self)
+    md, mh, mw = _bin_matrix(D, OD), _bin_matrix(H, OH), _bin_matrix(W, OW)
+    total = jnp.einsum(
+        "...dhw,od,ph,qw->...opq",
+        x,
+        jnp.asarray(md, x.dtype),
+        jnp.asarray(mh, x.dtype),
+        jnp.asarray(mw, x.dtype),
+        precision=lax.Precision.HIGHEST,
+    )
+    div = md.sum(1)[:, None, None] * mh.sum(1)[None, :, None] * mw.sum(1)[None, None, :]
+    return (total / jnp.asarray(div, x.dtype)).astype(self.dtype)
