@@ -1,6 +1,6 @@
 """Cases from torch_xla's own unit tests (pytorch/xla test/test_operations.py) that fit one device
 per process, rewritten against eager CPU, plus torch_xla's leniency for float class targets
-(torchacc/_lenient.py). The README's "torch_xla test cases" list names each one."""
+(torchacc/lazy/lenient.py). The README's "torch_xla test cases" list names each one."""
 
 from __future__ import annotations
 

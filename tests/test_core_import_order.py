@@ -1,6 +1,6 @@
 """Backward works on the torchacc device whether a backward ran before `import torchacc` or not.
 
-See Note [Autograd engine sized before torchacc registered] in torchacc/_autograd_engine.py. Each
+See Note [Autograd engine sized before torchacc registered] in torchacc/lazy/autograd_engine.py. Each
 case runs in a fresh process: the autograd engine sizes its device queues once per process.
 """
 
@@ -22,7 +22,7 @@ assert x.grad.tolist() == [2.0, 2.0, 2.0]
 TORCHACC_BACKWARD = """
 import threading
 import torchacc
-from torchacc import _autograd_engine
+from torchacc.lazy import autograd_engine as _autograd_engine
 dev = torchacc.device()
 w = torch.randn(3, requires_grad=True, device=dev); (w * 2).sum().backward()
 result = {"grad": w.grad.cpu().tolist()}

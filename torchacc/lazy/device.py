@@ -95,9 +95,6 @@ def register_backend():
     _registered = True
     # a backward before `import torchacc` sized the autograd engine's device queues
     autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
-    from torchacc import _autograd_engine  # a backward before `import torchacc` sized the engine
-
-    _autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
 
 
 def device(index=0):
