@@ -67,7 +67,28 @@ class NeedsFallback(Exception):
     """The op cannot be recorded (no meta kernel, data-dependent output shape)."""
 
 
+def _cpu_scalar_as_meta(a):
+    """A CPU 0-dim tensor as a 0-dim meta tensor (where the schema wants a Tensor)."""
+    if isinstance(a, torch.Tensor) and a.device.type == "cpu" and a.dim() == 0:
+        return torch.empty((), dtype=a.dtype, device="meta")
+    return a
+
+
 def _compute_meta(func, args, kwargs):
+    try:
+        return _compute_meta_once(func, args, kwargs)
+    except RuntimeError:
+        # a CPU 0-dim tensor went to meta as a number (right for Scalar arguments); a schema
+        # that wants a Tensor there (``_fused_adam.tensor_lr``) gets a 0-dim meta tensor instead
+        scalars = [a for a in (*args, *kwargs.values()) if _cpu_scalar_as_meta(a) is not a]
+        if not scalars:
+            raise
+        args = tuple(_cpu_scalar_as_meta(a) for a in args)
+        kwargs = {k: _cpu_scalar_as_meta(v) for k, v in kwargs.items()}
+        return _compute_meta_once(func, args, kwargs)
+
+
+def _compute_meta_once(func, args, kwargs):
     margs = _to_meta(args)
     mkwargs = {k: _to_meta(v) for k, v in kwargs.items()}
     if "device" in mkwargs:
