@@ -38,7 +38,23 @@ def decompositions():
     """AOTAutograd's decomposition table: core ATen minus the ops torchacc lowers directly."""
     from torch._decomp import core_aten_decompositions
 
-    return {op: fn for op, fn in core_aten_decompositions().items() if lookup(op) is None}
+    table = {op: fn for op, fn in core_aten_decompositions().items() if lookup(op) is None}
+    table[torch.ops.aten.native_batch_norm.default] = _native_batch_norm
+    return table
+
+
+def _native_batch_norm(x, weight, bias, running_mean, running_var, training, momentum, eps):
+    """``native_batch_norm`` writes the running stats although its schema does not say so, so
+    functionalization would lose them: training with stats becomes the functional op plus
+    visible ``copy_`` writes (the lowering keeps the other cases whole)."""
+    if not training or running_mean is None or running_var is None:
+        return NotImplemented
+    out, mean, rstd, new_mean, new_var = torch.ops.aten._native_batch_norm_legit_functional(
+        x, weight, bias, running_mean, running_var, training, momentum, eps
+    )
+    running_mean.copy_(new_mean)
+    running_var.copy_(new_var)
+    return out, mean, rstd
 
 
 def _structural_key(gm, example_inputs):

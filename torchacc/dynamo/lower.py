@@ -58,7 +58,7 @@ def _val(node):
 
 def _is_scalar_node(node):
     """A node computing a Python number (sizes under dynamic shapes): recomputed where used."""
-    if node.op != "call_function":
+    if node.op != "call_function" or node.target is _TRACED_ITEM:
         return False
     val = _val(node)
     if val is not None:
@@ -69,6 +69,14 @@ def _is_scalar_node(node):
         "math",
         "torch.fx.experimental.sym_node",
     )
+
+
+# ``.item()`` on a traced value (tensor lr, capturable optimizers): the 0-d array stays traced
+_TRACED_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def _lowerable(node):
+    return node.target is _TRACED_ITEM or _rule_of(node) is not None
 
 
 def _rule_of(node):
@@ -104,7 +112,7 @@ def _segment(graph):
         if node.target is operator.getitem and node.args[0] in home:
             seg = home[node.args[0]]  # stays with its producer
         else:
-            kind = "jax" if _rule_of(node) is not None else "eager"
+            kind = "jax" if _lowerable(node) else "eager"
             if not segments or segments[-1].kind != kind:
                 segments.append(_Segment(kind))
             seg = segments[-1]
@@ -134,7 +142,8 @@ def _wire(seg, home):
     for node in seg.nodes:
         for n in node.all_input_nodes:
             need(n)
-    seg.nodes = scalars + seg.nodes
+    order = {n: i for i, n in enumerate(seg.nodes[0].graph.nodes)} if seg.nodes else {}
+    seg.nodes = sorted(scalars + seg.nodes, key=order.__getitem__)
     seg.inputs = inputs
     outs = []
     for node in seg.nodes:
@@ -267,6 +276,7 @@ def _fix(r, meta, rule):
 _SIZE_OPS = {
     torch.ops.aten.sym_size.int: lambda x, d: x.shape[d],
     torch.ops.aten.sym_numel.default: lambda x: int(np.prod(x.shape)),
+    _TRACED_ITEM: lambda x: x,
 }
 
 
@@ -431,7 +441,13 @@ class Lowered:
                 self._fast_dynamic.append(index[n])
             else:
                 raise AssertionError(f"unexpected program input {n}")
-        out_pos = {n: i for i, n in enumerate(piece.seg.outputs)}
+        produced = set(piece.seg.outputs)
+        ordered = []  # the program returns the graph's outputs in the graph's order
+        for o in self.outs:
+            if isinstance(o, fx.Node) and o in produced and o not in ordered:
+                ordered.append(o)
+        piece.seg.outputs = ordered
+        out_pos = {n: i for i, n in enumerate(ordered)}
         # per graph output: ("prog", i) | ("input", i) | ("const", node) | ("value", v)
         plan = []
         for o in self.outs:
@@ -444,7 +460,7 @@ class Lowered:
             else:
                 plan.append(("value", o))
         self._plan = plan
-        self._simple = all(p[0] == "prog" for p in plan) and not self._post
+        self._simple = plan == [("prog", i) for i in range(len(plan))] and not self._post
 
     def __call__(self, *args):
         # boxed (one list, cleared) or, behind dynamo's disable() wrapper, unboxed arguments
