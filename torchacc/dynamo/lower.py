@@ -46,6 +46,8 @@ from torchacc.lowering.registry import scalar_arguments
 
 _SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 _warned_ops: set = set()
+# Called as hook(executable, key, arrays) before every program launch when set (benchmarks).
+launch_hook = None
 
 
 def debug_enabled():
@@ -129,8 +131,8 @@ def _wire(seg, home):
     scalars, inputs, seen = [], [], set()
 
     def need(n):
-        if n in inside or n in seen:
-            return
+        if n in inside or n in seen or (n.op == "get_attr" and seg.kind == "jax"):
+            return  # (a jitted piece closes over the graph's constants)
         seen.add(n)
         if _is_scalar_node(n):
             for m in n.all_input_nodes:
@@ -267,6 +269,8 @@ def _fix(r, meta, rule):
         r = r.astype(want)
     shape = tuple(meta.shape)
     if all(type(s) is int for s in shape) and r.shape != shape:
+        if 0 in shape:  # an empty placeholder output (e.g. eval-mode batch norm's saved stats)
+            return jnp.zeros(shape, want)
         raise RuntimeError(
             f"torchacc: lowering of {rule.name} gave shape {r.shape}, PyTorch's op gives {shape}"
         )
@@ -311,11 +315,16 @@ class JaxPiece:
             if n.op == "placeholder" and isinstance(_val(n), (int, torch.SymInt))
         )
         self.n_ops = sum(1 for n in seg.nodes if n.op == "call_function")
+        # symbolic sizes (dynamic shapes): one executable per set of input shapes
+        self.dynamic = any(
+            isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape)
+            for v in map(_val, seg.inputs)
+        )
         self._exes = {}
 
     def function(self, statics):
         seg, consts = self.seg, self.consts
-        positions = dict(zip(self.static, statics))
+        positions = dict(zip(self.static, statics))  # (input shapes follow when dynamic)
 
         def program(key, *arrays):
             env = dict(consts)
@@ -402,14 +411,16 @@ class Lowered:
         self.cuda = self.torch_device.type == "cuda"
         self.device = bridge.jax_device_for(self.torch_device)
         consts = {}
-        for n in graph.nodes:
-            if n.op == "get_attr":
-                t = _fetch_attr(gm, n.target)
-                consts[n] = (
-                    jax.device_put(t.detach().cpu().numpy(), self.device)
-                    if isinstance(t, torch.Tensor)
-                    else t
-                )
+        # compilers run under AOTAutograd's fake mode; constants are real tensors
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            for n in graph.nodes:
+                if n.op == "get_attr":
+                    t = _fetch_attr(gm, n.target)
+                    consts[n] = (
+                        jax.device_put(t.detach().cpu().numpy(), self.device)
+                        if isinstance(t, torch.Tensor)
+                        else t
+                    )
         self.consts = consts
         self.const_tensors = {n: _fetch_attr(gm, n.target) for n in consts}
         segments, _ = _segment(graph)
@@ -475,8 +486,12 @@ class Lowered:
         device = self.device
         statics = tuple([args[i] for i in self._fast_static])
         arrays = [_to_jax(args[i], device) for i in self._fast_dynamic]
+        if piece.dynamic:
+            statics += tuple([a.shape for a in arrays])
         key = piece.new_key()
         exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
+        if launch_hook is not None:
+            launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
         if not self.cuda:
             jax.block_until_ready(outs)
@@ -529,8 +544,12 @@ class Lowered:
             else:
                 arrays.append(_to_jax(v, self.device))
         statics = tuple(statics)
+        if piece.dynamic:
+            statics += tuple([a.shape for a in arrays])
         key = piece.new_key()
         exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
+        if launch_hook is not None:
+            launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
         if not self.cuda:
             jax.block_until_ready(outs)
