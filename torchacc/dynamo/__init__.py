@@ -1,0 +1,42 @@
+"""The trace-once frontend: ``torch.compile(model, backend="torchacc")`` and ``compile_step``.
+
+A step is captured once (dynamo + AOTAutograd, or a whole-step trace) as FX graphs of ATen ops,
+each lowered with ``torchacc.lowering`` into one jitted JAX program; later calls only launch the
+programs. Tensors stay where the user keeps them (CPU or CUDA, zero-copy through DLPack).
+README: "torch.compile backend and whole-step compile".
+
+Importing this package registers the ``"torchacc"`` dynamo backend (an installed torchacc also
+registers it through the ``torch_dynamo_backends`` entry point).
+"""
+
+from __future__ import annotations
+
+
+def backend(gm, example_inputs, **kwargs):
+    """The dynamo backend; imports the machinery on first use (entry point target)."""
+    from torchacc.dynamo.backend import backend as _backend
+
+    return _backend(gm, example_inputs, **kwargs)
+
+
+def compile_step(fn=None, **options):
+    """Compile a whole training step (forward, backward, optimizer update) into one program.
+
+    See torchacc/dynamo/step.py."""
+    from torchacc.dynamo.step import compile_step as _compile_step
+
+    return _compile_step(fn, **options)
+
+
+def register():
+    """Register ``backend`` with dynamo under the name ``"torchacc"`` (idempotent)."""
+    from torch._dynamo.backends import registry
+
+    if registry._COMPILER_FNS.get("torchacc") is not backend:
+        registry._COMPILER_FNS.pop("torchacc", None)
+        registry.register_backend(backend, name="torchacc")
+
+
+register()
+
+__all__ = ["backend", "compile_step", "register"]

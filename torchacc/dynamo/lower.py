@@ -1,0 +1,641 @@
+"""An FX graph of ATen ops -> jitted JAX programs (one per lowerable piece), with eager fallback.
+
+The trace-once frontend's back half: AOTAutograd's forward/backward graphs and compile_step's
+whole-step graph come here. Each ``call_function`` node whose ATen overload has a rule in
+``torchacc.lowering`` is replayed by that rule inside one ``jax.jit``; see Note [FX calling
+convention] for how FX arguments map onto the rules' calling convention.
+
+Note [Fallback policy]
+An op with no lowering rule (after AOTAutograd's decompositions) is a *graph break inside the
+graph*: the graph is cut into maximal runs of lowerable nodes, each one jitted program, and the
+ops between them run eagerly in PyTorch on the user's tensors. Every eager run increments the
+``aten::<op>`` counter in ``torchacc.metrics`` (like torch_xla's fallback counters) and the first
+one per op warns. A graph with no such op is exactly one program.
+
+Note [FX calling convention]
+Rules expect the lazy recorder's conventions (lowering/registry.py): a ``Scalar``/``float``
+argument arrives as a 0-d array (float64 for floats, int64 for ints and bools) unless the rule
+names it ``static``; a Python number in a ``Tensor`` slot (a wrapped number) arrives as a 0-d
+array of its partner tensor's dtype when they are of the same kind (else torch's default dtype
+for the number); ``out_meta`` rules get ``out=[(shape, jnp dtype)]`` from the node's fake value;
+``rng`` rules get ``rng=`` a key split off the program's key input. Python numbers in an FX graph
+are constants of that graph, so they become constants of the program (a different value is a
+different graph, which dynamo guards on). Ints that are graph *inputs* (symbolic sizes under
+dynamic shapes) are static arguments of the jitted function: each new value compiles once.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from torch import fx
+
+from torchacc import metrics
+from torchacc.dynamo import bridge
+from torchacc.lowering import lookup
+from torchacc.lowering.dtypes import jdtype
+from torchacc.lowering.registry import scalar_arguments
+
+_SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
+_warned_ops: set = set()
+# Called as hook(executable, key, arrays) before every program launch when set (benchmarks).
+launch_hook = None
+
+
+def debug_enabled():
+    return os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0")
+
+
+def _val(node):
+    return node.meta.get("val") if isinstance(node, fx.Node) else None
+
+
+def _is_scalar_node(node):
+    """A node computing a Python number (sizes under dynamic shapes): recomputed where used."""
+    if node.op != "call_function" or node.target is _TRACED_ITEM:
+        return False
+    val = _val(node)
+    if val is not None:
+        return isinstance(val, _SCALAR_TYPES)
+    target = node.target
+    return target is not operator.getitem and getattr(target, "__module__", None) in (
+        "_operator",
+        "math",
+        "torch.fx.experimental.sym_node",
+    )
+
+
+# ``.item()`` on a traced value (tensor lr, capturable optimizers): the 0-d array stays traced
+_TRACED_ITEM = torch.ops.aten._local_scalar_dense.default
+
+
+def _lowerable(node):
+    return node.target is _TRACED_ITEM or _rule_of(node) is not None
+
+
+def _rule_of(node):
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return lookup(target)
+    return None
+
+
+def op_name(target):
+    if isinstance(target, torch._ops.OpOverload):
+        return f"aten::{target.overloadpacket.__name__}"
+    return f"aten::{getattr(target, '__name__', str(target))}"
+
+
+class _Segment:
+    """A run of nodes executed together: ``jax`` (one jitted program) or ``eager`` (PyTorch)."""
+
+    def __init__(self, kind):
+        self.kind = kind
+        self.nodes = []
+        self.inputs = []
+        self.outputs = []
+
+
+def _segment(graph):
+    """Cut ``graph`` into maximal runs of lowerable / other nodes (Note [Fallback policy])."""
+    segments = []
+    home = {}  # node -> its segment
+    for node in graph.nodes:
+        if node.op != "call_function" or _is_scalar_node(node):
+            continue
+        if node.target is operator.getitem and node.args[0] in home:
+            seg = home[node.args[0]]  # stays with its producer
+        else:
+            kind = "jax" if _lowerable(node) else "eager"
+            if not segments or segments[-1].kind != kind:
+                segments.append(_Segment(kind))
+            seg = segments[-1]
+        seg.nodes.append(node)
+        home[node] = seg
+    for seg in segments:
+        _wire(seg, home)
+    return segments, home
+
+
+def _wire(seg, home):
+    """Fill ``seg.inputs``/``seg.outputs``; scalar nodes it needs are recomputed inside it."""
+    inside = set(seg.nodes)
+    scalars, inputs, seen = [], [], set()
+
+    def need(n):
+        if n in inside or n in seen or (n.op == "get_attr" and seg.kind == "jax"):
+            return  # (a jitted piece closes over the graph's constants)
+        seen.add(n)
+        if _is_scalar_node(n):
+            for m in n.all_input_nodes:
+                need(m)
+            scalars.append(n)
+        else:
+            inputs.append(n)
+
+    for node in seg.nodes:
+        for n in node.all_input_nodes:
+            need(n)
+    order = {n: i for i, n in enumerate(seg.nodes[0].graph.nodes)} if seg.nodes else {}
+    seg.nodes = sorted(scalars + seg.nodes, key=order.__getitem__)
+    seg.inputs = inputs
+    outs = []
+    for node in seg.nodes:
+        if node in inside and any(home.get(u) is not seg for u in node.users):
+            outs.append(node)
+    seg.outputs = outs
+
+
+def _lift(value, dtype):
+    if value is None or isinstance(value, jax.Array):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_lift(v, dtype) for v in value]
+    if isinstance(value, bool) or isinstance(value, int):
+        return jnp.asarray(value, jnp.int64)
+    if isinstance(value, float):
+        return jnp.asarray(value, jnp.float64)
+    return value
+
+
+def _wrapped(value, partner):
+    """A Python number in a Tensor slot as a 0-d array (Note [FX calling convention])."""
+    if isinstance(value, bool):
+        kind = 0
+    elif isinstance(value, int):
+        kind = 1
+    elif isinstance(value, float):
+        kind = 2
+    else:
+        return value
+    ref = np.dtype(partner.dtype) if partner is not None else None
+
+    def cat(dt):
+        if dt == np.bool_:
+            return 0
+        return 1 if np.issubdtype(dt, np.integer) else 2
+
+    if ref is not None and cat(ref) == kind:
+        return jnp.asarray(value, ref)
+    if kind == 2:
+        return jnp.asarray(value, jdtype(torch.get_default_dtype()))
+    return jnp.asarray(value, jnp.bool_ if kind == 0 else jnp.int64)
+
+
+def _convention(op, rule, args, kwargs):
+    """Apply Note [FX calling convention] to one node's concrete arguments."""
+    lifted = scalar_arguments(op, rule.static)
+    schema = op._schema.arguments
+    positional = [a for a in schema if not a.kwarg_only]
+    partner = None
+    for a in list(args) + list(kwargs.values()):
+        if isinstance(a, jax.Array) or hasattr(a, "aval"):
+            partner = a
+            break
+        if isinstance(a, (list, tuple)) and a and hasattr(a[0], "aval"):
+            partner = a[0]
+            break
+    args = list(args)
+    for i, value in enumerate(args):
+        if i >= len(positional):
+            break
+        args[i] = _convert_arg(positional[i], value, lifted, partner)
+    by_name = {a.name: a for a in schema}
+    kwargs = {
+        k: (_convert_arg(by_name[k], v, lifted, partner) if k in by_name else v)
+        for k, v in kwargs.items()
+    }
+    return args, kwargs
+
+
+def _convert_arg(arg, value, lifted, partner):
+    if arg.name in lifted:
+        return _lift(value, None)
+    if str(arg.type) in ("Tensor", "Optional[Tensor]"):
+        return _wrapped(value, partner)
+    return value
+
+
+def _meta_list(val):
+    if isinstance(val, (tuple, list)):
+        return list(val)
+    return [val]
+
+
+def eval_rule(node, rule, args, kwargs, keys):
+    """Run ``rule`` for ``node`` inside a JAX trace; returns its (cast, checked) result."""
+    op = node.target
+    args, kwargs = _convention(op, rule, args, kwargs)
+    val = _val(node)
+    metas = _meta_list(val)
+    extra = {}
+    if rule.rng:
+        keys[0], sub = jax.random.split(keys[0])
+        extra["rng"] = sub
+    if rule.out_meta:
+        extra["out"] = [
+            None if m is None else (tuple(int(s) for s in m.shape), jdtype(m.dtype)) for m in metas
+        ]
+    result = rule.fn(*args, **kwargs, **extra)
+    multi = isinstance(val, (tuple, list))
+    results = list(result) if isinstance(result, (tuple, list)) else [result]
+    if val is not None and len(results) != len(metas):
+        raise RuntimeError(
+            f"torchacc: lowering of {rule.name} returned {len(results)} outputs, "
+            f"PyTorch's op has {len(metas)}"
+        )
+    fixed = [_fix(r, m, rule) for r, m in zip(results, metas)] if val is not None else results
+    return fixed if multi else fixed[0]
+
+
+def _fix(r, meta, rule):
+    if meta is None or not isinstance(meta, torch.Tensor):
+        return r
+    if r is None:
+        raise RuntimeError(
+            f"torchacc: lowering of {rule.name} returned None for an output PyTorch's op produces"
+        )
+    r = jnp.asarray(r)
+    want = jdtype(meta.dtype)
+    if r.dtype != want:
+        r = r.astype(want)
+    shape = tuple(meta.shape)
+    if all(type(s) is int for s in shape) and r.shape != shape:
+        if 0 in shape:  # an empty placeholder output (e.g. eval-mode batch norm's saved stats)
+            return jnp.zeros(shape, want)
+        raise RuntimeError(
+            f"torchacc: lowering of {rule.name} gave shape {r.shape}, PyTorch's op gives {shape}"
+        )
+    return r
+
+
+_SIZE_OPS = {
+    torch.ops.aten.sym_size.int: lambda x, d: x.shape[d],
+    torch.ops.aten.sym_numel.default: lambda x: int(np.prod(x.shape)),
+    _TRACED_ITEM: lambda x: x,
+}
+
+
+def _eval_python(node, env):
+    """A getitem or size computation inside a JAX trace (arrays have static shapes there)."""
+    size = _SIZE_OPS.get(node.target)
+    if size is not None:
+        return size(*fx.node.map_arg(node.args, env.__getitem__))
+    return _run_python(node, env)
+
+
+def _run_python(node, env):
+    args = fx.node.map_arg(node.args, env.__getitem__)
+    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+    return node.target(*args, **kwargs)
+
+
+class JaxPiece:
+    """One lowerable segment: a jitted JAX function of its array inputs (and static ints)."""
+
+    def __init__(self, seg, consts, device, name):
+        self.seg = seg
+        self.name = name
+        self.device = device
+        self.consts = consts
+        self.rng = any(
+            (r := _rule_of(n)) is not None and r.rng for n in seg.nodes if n.op == "call_function"
+        )
+        self.static = tuple(
+            i
+            for i, n in enumerate(seg.inputs)
+            if n.op == "placeholder" and isinstance(_val(n), (int, torch.SymInt))
+        )
+        self.n_ops = sum(1 for n in seg.nodes if n.op == "call_function")
+        # symbolic sizes (dynamic shapes): one executable per set of input shapes
+        self.dynamic = any(
+            isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape)
+            for v in map(_val, seg.inputs)
+        )
+        self._exes = {}
+
+    def function(self, statics):
+        seg, consts = self.seg, self.consts
+        positions = dict(zip(self.static, statics))  # (input shapes follow when dynamic)
+
+        def program(key, *arrays):
+            env = dict(consts)
+            it = iter(arrays)
+            for i, n in enumerate(seg.inputs):
+                env[n] = positions[i] if i in positions else next(it)
+            keys = [None if key is None else jax.random.wrap_key_data(key)]
+            for node in seg.nodes:
+                rule = _rule_of(node)
+                if rule is None:
+                    env[node] = _eval_python(node, env)
+                else:
+                    args = fx.node.map_arg(node.args, env.__getitem__)
+                    kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+                    env[node] = eval_rule(node, rule, args, kwargs, keys)
+            return [env[n] for n in seg.outputs]
+
+        return program
+
+    def executable(self, statics, key, arrays):
+        exe = self._exes.get(statics)
+        if exe is not None:
+            return exe
+        if debug_enabled():
+            shapes = ", ".join(str(tuple(a.shape)) for a in arrays[:8])
+            print(
+                f"torchacc.dynamo: compiling {self.name} ({self.n_ops} ops, inputs {shapes}"
+                f"{', ...' if len(arrays) > 8 else ''}; static {statics})",
+                file=sys.stderr,
+            )
+        start = time.perf_counter()
+        exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
+        metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
+        metrics.counter_inc("DynamoCompile")
+        self._exes[statics] = exe
+        return exe
+
+    def new_key(self):
+        if not self.rng:
+            return None
+        # Note [Random ops]: a fresh key per call from torch's generator (manual_seed reproduces)
+        seed = int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64))
+        data = np.array([(seed >> 32) & 0xFFFFFFFF, seed & 0xFFFFFFFF], dtype=np.uint32)
+        return jax.device_put(data, self.device)
+
+
+def _to_jax(value, device):
+    if isinstance(value, torch.Tensor):
+        return bridge.to_jax(value, device)
+    if isinstance(value, float):
+        return jax.device_put(np.float64(value), device)
+    if isinstance(value, (torch.SymFloat,)):
+        return jax.device_put(np.float64(float(value)), device)
+    return value
+
+
+def to_torch(value, cuda):
+    if isinstance(value, jax.Array):
+        return bridge.to_torch_cuda(value) if cuda else bridge.to_torch_cpu(value)
+    if isinstance(value, (list, tuple)):
+        return type(value)(to_torch(v, cuda) for v in value)
+    return value
+
+
+class Lowered:
+    """A callable running an FX graph: jitted pieces for lowerable runs, PyTorch for the rest.
+
+    Called with the graph's inputs as a list (AOTAutograd's boxed convention: the list is
+    cleared so inputs can be freed early); returns the graph's outputs as torch tensors on the
+    inputs' device."""
+
+    def __init__(self, gm, name="graph"):
+        # in the instance dict: dynamo's disable() wrapper copies it (functools.wraps)
+        self._boxed_call = True
+        self.gm = gm
+        self.name = name
+        graph = gm.graph
+        self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
+        outs = out_node.args[0]
+        self.out_tuple = isinstance(outs, (tuple, list))
+        self.outs = list(outs) if self.out_tuple else [outs]
+        self.torch_device = _graph_device(self.placeholders, graph)
+        self.cuda = self.torch_device.type == "cuda"
+        self.device = bridge.jax_device_for(self.torch_device)
+        consts = {}
+        # compilers run under AOTAutograd's fake mode; constants are real tensors
+        with torch._subclasses.fake_tensor.unset_fake_temporarily():
+            for n in graph.nodes:
+                if n.op == "get_attr":
+                    t = _fetch_attr(gm, n.target)
+                    consts[n] = (
+                        jax.device_put(t.detach().cpu().numpy(), self.device)
+                        if isinstance(t, torch.Tensor)
+                        else t
+                    )
+        self.consts = consts
+        self.const_tensors = {n: _fetch_attr(gm, n.target) for n in consts}
+        segments, _ = _segment(graph)
+        self.pieces = []
+        for i, seg in enumerate(segments):
+            if seg.kind == "jax":
+                self.pieces.append(JaxPiece(seg, consts, self.device, f"{name}[{i}]"))
+            else:
+                self.pieces.append(seg)
+        self.fallback_ops = [
+            op_name(n.target) for s in segments if s.kind == "eager" for n in s.nodes
+        ]
+        self._post = _output_fixups(self.outs, self.placeholders)
+        self._fast = len(self.pieces) == 1 and isinstance(self.pieces[0], JaxPiece)
+        if self._fast:
+            self._prepare_fast()
+
+    # -- the common case: the whole graph is one program -------------------------------------
+    def _prepare_fast(self):
+        piece = self.pieces[0]
+        index = {n: i for i, n in enumerate(self.placeholders)}
+        seg_in = piece.seg.inputs
+        self._fast_static = [index[n] for i, n in enumerate(seg_in) if i in piece.static]
+        self._fast_dynamic = []
+        for i, n in enumerate(seg_in):
+            if i in piece.static:
+                continue
+            if n in index:
+                self._fast_dynamic.append(index[n])
+            else:
+                raise AssertionError(f"unexpected program input {n}")
+        produced = set(piece.seg.outputs)
+        ordered = []  # the program returns the graph's outputs in the graph's order
+        for o in self.outs:
+            if isinstance(o, fx.Node) and o in produced and o not in ordered:
+                ordered.append(o)
+        piece.seg.outputs = ordered
+        out_pos = {n: i for i, n in enumerate(ordered)}
+        # per graph output: ("prog", i) | ("input", i) | ("const", node) | ("value", v)
+        plan = []
+        for o in self.outs:
+            if isinstance(o, fx.Node) and o in out_pos:
+                plan.append(("prog", out_pos[o]))
+            elif isinstance(o, fx.Node) and o in index:
+                plan.append(("input", index[o]))
+            elif isinstance(o, fx.Node) and o in self.const_tensors:
+                plan.append(("const", self.const_tensors[o]))
+            else:
+                plan.append(("value", o))
+        self._plan = plan
+        self._simple = plan == [("prog", i) for i in range(len(plan))] and not self._post
+
+    def __call__(self, *args):
+        # boxed (one list, cleared) or, behind dynamo's disable() wrapper, unboxed arguments
+        args = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
+        metrics.counter_inc("DynamoExecute")
+        if self._fast:
+            return self._call_fast(args)
+        return self._call_general(args)
+
+    def _call_fast(self, args):
+        piece = self.pieces[0]
+        device = self.device
+        statics = tuple([args[i] for i in self._fast_static])
+        arrays = [_to_jax(args[i], device) for i in self._fast_dynamic]
+        if piece.dynamic:
+            statics += tuple([a.shape for a in arrays])
+        key = piece.new_key()
+        exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
+        if launch_hook is not None:
+            launch_hook(exe, key, arrays)
+        outs = exe(key, *arrays)
+        if not self.cuda:
+            jax.block_until_ready(outs)
+            conv = bridge.to_torch_cpu
+        else:
+            conv = bridge.to_torch_cuda
+        if self._simple:
+            args.clear()
+            return [conv(o) for o in outs]
+        result = []
+        for kind, x in self._plan:
+            if kind == "prog":
+                result.append(conv(outs[x]))
+            elif kind == "input":
+                result.append(args[x])
+            else:
+                result.append(x)
+        args.clear()
+        return self._fixup(result)
+
+    def _fixup(self, result):
+        for i, fix in self._post:
+            result[i] = fix(result[i])
+        return result
+
+    # -- graphs with eager fallbacks -----------------------------------------------------------
+    def _call_general(self, args):
+        env = dict(zip(self.placeholders, args))
+        args.clear()
+        env.update(self.const_tensors)
+        for piece in self.pieces:
+            if isinstance(piece, JaxPiece):
+                self._run_piece(piece, env)
+            else:
+                self._run_eager(piece, env)
+        result = []
+        for o in self.outs:
+            v = env[o] if isinstance(o, fx.Node) else o
+            result.append(to_torch(v, self.cuda))
+        return self._fixup(result)
+
+    def _run_piece(self, piece, env):
+        statics, arrays = [], []
+        for i, n in enumerate(piece.seg.inputs):
+            v = env[n]
+            if i in piece.static:
+                statics.append(v)
+            elif n in self.consts:
+                arrays.append(self.consts[n])
+            else:
+                arrays.append(_to_jax(v, self.device))
+        statics = tuple(statics)
+        if piece.dynamic:
+            statics += tuple([a.shape for a in arrays])
+        key = piece.new_key()
+        exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
+        if launch_hook is not None:
+            launch_hook(exe, key, arrays)
+        outs = exe(key, *arrays)
+        if not self.cuda:
+            jax.block_until_ready(outs)
+        for n, o in zip(piece.seg.outputs, outs):
+            env[n] = o
+
+    def _run_eager(self, seg, env):
+        local = {}
+        for n in seg.inputs:
+            local[n] = to_torch(env[n], self.cuda)
+        for node in seg.nodes:
+            if node in local:
+                continue
+            if node.op == "call_function" and not _is_scalar_node(node):
+                name = op_name(node.target)
+                metrics.counter_inc(name)
+                if name not in _warned_ops:
+                    _warned_ops.add(name)
+                    warnings.warn(
+                        f"torchacc.dynamo: {node.target} has no lowering; it runs eagerly in "
+                        "PyTorch between compiled programs (a graph break; counted as "
+                        f"'{name}' in torchacc.metrics)",
+                        stacklevel=2,
+                    )
+            local[node] = _run_python(node, local)
+        for n in seg.outputs:
+            env[n] = local[n]
+
+
+def _fetch_attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _graph_device(placeholders, graph):
+    for n in list(placeholders) + list(graph.nodes):
+        v = _val(n)
+        for t in _meta_list(v):
+            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+                return t.device
+    return torch.device("cpu")
+
+
+def _output_fixups(outs, placeholders):
+    """Per output position, a function restoring eager semantics the program cannot express:
+    the meta strides (XLA results are row-major) and distinct memory for a repeated output."""
+    fixes = []
+    seen = set()
+    for i, o in enumerate(outs):
+        if not isinstance(o, fx.Node) or o in placeholders:
+            continue
+        v = _val(o)
+        if o in seen:
+            fixes.append((i, _clone))
+            continue
+        seen.add(o)
+        if isinstance(v, torch.Tensor) and v.dim() > 1 and _needs_strides(v):
+            fixes.append((i, _restride(tuple(v.stride()))))
+    return fixes
+
+
+def _needs_strides(v):
+    try:
+        shape = [int(s) for s in v.shape]
+        stride = [int(s) for s in v.stride()]
+    except (TypeError, ValueError):
+        return False
+    expected, acc = [], 1
+    for s in reversed(shape):
+        expected.append(acc)
+        acc *= max(s, 1)
+    expected.reverse()
+    return any(a != b for a, b, n in zip(stride, expected, shape) if n > 1)
+
+
+def _clone(t):
+    return t.clone() if isinstance(t, torch.Tensor) else t
+
+
+def _restride(stride):
+    def fix(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
+        return out.copy_(t)
+
+    return fix
