@@ -1,0 +1,199 @@
+"""Flat step buffers: parameters, buffers and optimizer state as views of one buffer per dtype
+(Note [Flat step buffers])."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+
+from torchacc import metrics
+from torchacc.dynamo import lower
+
+# Note [Flat step buffers]
+# Calling a program costs about a microsecond per array argument, and every output handed back to
+# torch costs a few more; a ResNet-50's parameters, BN buffers and AdamW state are ~750 tensors.
+# So compile_step keeps them in a few flat buffers, one per (dtype, device): each user tensor
+# becomes a view of its group's buffer (``t.data = flat[a:b].view(shape)``, the same objects, so
+# optimizer state keyed by parameter and every outside reference stay valid). The program takes
+# the flat buffers (zero-copy, cached, Note [Zero-copy hand-off]), slices them into the traced
+# graph's per-tensor inputs, and concatenates the updated tensors into one new buffer per group,
+# which is copied back into the user's flat buffer in one memcpy. Gradients come back the same
+# way into one flat gradient buffer per group, the parameters' ``.grad`` being views of it. Steps
+# whose graph reads incoming gradients (accumulation across calls), or tensors that do not own
+# their whole storage, use the per-tensor path.
+
+
+class _FlatRunner:
+    @classmethod
+    def build(cls, prog, world, n_state, n_grad, n_args):
+        low = prog.lowered
+        if (
+            not low._fast
+            or low.pieces[0].static
+            or any(i >= n_state and i < n_state + n_grad for i in low._fast_dynamic)
+        ):
+            return None
+        tensors = world.tensors
+        if prog.arg_mutations or any(not _owns_storage(t) for t in tensors):
+            return None
+        return cls(prog, world, n_state, n_grad, n_args)
+
+    def __init__(self, prog, world, n_state, n_grad, n_args):
+        low = prog.lowered
+        self.prog, self.low = prog, low
+        self.piece = low.pieces[0]
+        self.device = low.device
+        tensors = world.tensors
+        # groups of state tensors by (dtype, device); each tensor -> (group, offset, numel, shape)
+        self.groups, self.where, self.flat_tensors = _flatten(tensors)
+        self.ptrs = [t.data_ptr() for t in tensors]
+        params = world.params
+        grad_groups, grad_where = _layout([params[k] for k in prog.grad_out])
+        self.grad_flats = [torch.zeros(n, dtype=dt, device=dev) for (dt, dev), n in grad_groups]
+        self.grad_where = grad_where
+        self.grad_views = [
+            self.grad_flats[gi][off : off + n].view(shape) for gi, off, n, shape in grad_where
+        ]
+        self.grad_params = [params[k] for k in prog.grad_out]
+        self.grad_out = set(prog.grad_out)
+        mutated = {i: pos for i, pos in prog.mutated}
+        self.mutated_groups = sorted({self.where[i][0] for i in mutated if i < n_state})
+        n_user = prog.n_user
+        self.n_user = n_user
+        plan = low._plan
+        self.arg_pos = prog.arg_pos
+        sources = []  # per program input (seg.inputs order): ("state", i) | ("arg", j) | ("lr", l)
+        for ph in low._fast_dynamic:
+            if ph < n_state:
+                sources.append(("state", ph))
+            elif ph < n_state + n_grad + n_args:
+                sources.append(("arg", ph - n_state - n_grad))
+            else:
+                sources.append(("lr", ph - n_state - n_grad - n_args))
+        inner = self.piece.function(())
+        where = self.where
+        out_index = [x for _, x in plan]
+        grad_src = list(range(n_user, n_user + len(prog.grad_out)))
+        mut_groups = self.mutated_groups
+
+        def whole(key, flats, args, lrs):
+            inputs = []
+            for kind, i in sources:
+                if kind == "state":
+                    gi, off, n, shape = where[i]
+                    inputs.append(flats[gi][off : off + n].reshape(shape))
+                elif kind == "arg":
+                    inputs.append(args[i])
+                else:
+                    inputs.append(lrs[i])
+            outs = inner(key, *inputs)
+            graph_outs = [outs[j] for j in out_index]
+            user = graph_outs[:n_user]
+            grads = [graph_outs[j] for j in grad_src]
+            new_flats = []
+            for gi in mut_groups:
+                parts = []
+                for i, (g, off, n, _shape) in enumerate(where):
+                    if g != gi:
+                        continue
+                    pos = mutated.get(i)
+                    value = graph_outs[pos] if pos is not None else flats[gi][off : off + n]
+                    parts.append(value.reshape(-1).astype(flats[gi].dtype))
+                new_flats.append(_concat(parts))
+            grad_flats = []
+            for gi in range(len(grad_groups)):
+                parts = [grads[j].reshape(-1) for j, w in enumerate(grad_where) if w[0] == gi]
+                grad_flats.append(_concat(parts))
+            return user, new_flats, grad_flats
+
+        self.fn = jax.jit(whole)
+        self.exe = None
+
+    def valid(self, world):
+        return [t.data_ptr() for t in world.tensors] == self.ptrs
+
+    def run(self, world, leaves):
+        low, device = self.low, self.device
+        flats = [lower._to_jax(f, device) for f in self.flat_tensors]
+        args = [lower._to_jax(leaves[i], device) for i in self.arg_pos]
+        lrs = jax.device_put(np.asarray(world.lrs(), dtype=np.float64), device)
+        key = self.piece.new_key()
+        exe = self.exe
+        if exe is None:
+            start = time.perf_counter()
+            exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
+            metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
+            metrics.counter_inc("DynamoCompile")
+        if lower.launch_hook is not None:
+            lower.launch_hook(lambda k, *a: exe(k, *a), key, [flats, args, lrs])
+        user, new_flats, grad_flats = exe(key, flats, args, lrs)
+        metrics.counter_inc("DynamoExecute")
+        conv = lower.to_torch
+        cuda = low.cuda
+        if not cuda:
+            jax.block_until_ready((user, new_flats, grad_flats))
+        with torch.no_grad():
+            for gi, new in zip(self.mutated_groups, new_flats):
+                self.flat_tensors[gi].copy_(conv(new, cuda))
+            for flat, new in zip(self.grad_flats, grad_flats):
+                flat.copy_(conv(new, cuda))
+        for p, v in zip(self.grad_params, self.grad_views):
+            if p.grad is not v:
+                p.grad = v
+        params = world.params
+        if len(self.grad_params) != len(params):
+            for k, p in enumerate(params):
+                if k not in self.grad_out and p.grad is not None:
+                    p.grad = None
+        return [conv(u, cuda) for u in user]
+
+
+def _concat(parts, fan_in=16):
+    """One flat array from many, as a tree of small concatenations: one concatenation of hundreds
+    of operands takes XLA:CPU minutes to compile (a ResNet-50's state is ~750 tensors)."""
+    while len(parts) > 1:
+        parts = [
+            jnp.concatenate(parts[i : i + fan_in]) if len(parts[i : i + fan_in]) > 1 else parts[i]
+            for i in range(0, len(parts), fan_in)
+        ]
+    return parts[0]
+
+
+def _owns_storage(t):
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        and t.device.type in ("cpu", "cuda")
+    )
+
+
+def _layout(tensors):
+    """Groups by (dtype, device) -> [((dtype, device), numel)], and per tensor
+    (group, offset, numel, shape)."""
+    order, sizes, where = {}, [], []
+    for t in tensors:
+        k = (t.dtype, t.device)
+        if k not in order:
+            order[k] = len(sizes)
+            sizes.append([k, 0])
+        gi = order[k]
+        where.append((gi, sizes[gi][1], t.numel(), tuple(t.shape)))
+        sizes[gi][1] += t.numel()
+    return [tuple(s) for s in sizes], where
+
+
+def _flatten(tensors):
+    """Move ``tensors`` into one flat buffer per (dtype, device); each becomes a view of it."""
+    groups, where = _layout(tensors)
+    flats = [torch.empty(n, dtype=dt, device=dev) for (dt, dev), n in groups]
+    with torch.no_grad():
+        for t, (gi, off, n, shape) in zip(tensors, where):
+            view = flats[gi][off : off + n]
+            view.copy_(t.reshape(-1))
+            t.data = view.view(shape)
+    return groups, where, flats
