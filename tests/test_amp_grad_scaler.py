@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from compile_counts import new_graphs
 
 import torchacc
 from torchacc import metrics
@@ -133,6 +134,7 @@ def test_fp16_amp_step_has_no_host_transfers():
         if step == 2:  # after warm-up (first compiles, optimizer state creation)
             start = metrics.counter_value("TransferFromDevice") or 0
             fallbacks = metrics.executed_fallback_ops()
+            graphs = new_graphs()
         x, y = batches[step % 3]
         with autocast(dtype=torch.float16):
             out = model(x)
@@ -146,6 +148,7 @@ def test_fp16_amp_step_has_no_host_transfers():
         losses.append(loss)
     assert (metrics.counter_value("TransferFromDevice") or 0) == start
     assert metrics.executed_fallback_ops() == fallbacks
+    assert new_graphs() == graphs  # a changing loss scale is data: no new program
     assert float(scaler.get_scale()) == 2.0**11  # 6 steps, growth_interval 2, no overflow
     assert all(torch.isfinite(v.cpu()) for v in losses)
 
