@@ -97,8 +97,8 @@ def run_rule(op, *args, rng_seed=0, **kwargs):
 def check_rule(op, *args, rtol=1e-5, atol=1e-6, signed_zeros=False, **kwargs):
     """Assert the rule for ``op`` matches eager CPU PyTorch on these inputs.
 
-    NaN must match NaN and infinities match exactly (``assert_allclose``); with ``signed_zeros`` a ``-0.0`` must
-    also be ``-0.0`` (``assert_allclose`` alone treats the two zeros as equal)."""
+    NaN must match NaN and infinities match exactly (``assert_allclose``); with ``signed_zeros``
+    a ``-0.0`` must also be ``-0.0`` (``assert_allclose`` treats the two zeros as equal)."""
     expected = op(*args, **kwargs)
     exp = list(expected) if isinstance(expected, (list, tuple)) else [expected]
     exp = [e for e in exp if isinstance(e, torch.Tensor)]
