@@ -22,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import torchacc
+import torchacc.torch_xla.core.xla_model as xm
 import torchacc.torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
 from torchacc.distributed import collectives as C
 from torchacc.runtime import processes as runtime
@@ -62,12 +63,7 @@ def scenario_collectives(args):
     assert (W, r) == (runtime.world_size(), runtime.rank()), "dist vs runtime ranks"
     assert W == int(os.environ["WORLD_SIZE"]) and r == int(os.environ["RANK"])
     assert runtime.local_rank() == int(os.environ["LOCAL_RANK"])
-    try:
-        import torchacc.torch_xla.core.xla_model as xm
-    except ImportError:
-        xm = None
-    if xm is not None:
-        assert (xm.xrt_world_size(), xm.get_ordinal()) == (W, r), "xm vs dist ranks"
+    assert (xm.xrt_world_size(), xm.get_ordinal()) == (W, r), "xm vs dist ranks"
     checks = ["ranks"]
     ranks = range(W)
     allr = [per_rank(q) for q in ranks]
@@ -132,6 +128,27 @@ def scenario_collectives(args):
     a2a_list_out = [to_dev(torch.zeros(2)) for _ in ranks]
     dist.all_to_all(a2a_list_out, [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks])
 
+    # the torch_xla API (what recipes call), every reduce type, in-place lists, avg reductions
+    xm_single = {op: xm.all_reduce(op, a) for op in ("sum", "mul", "min", "max")}
+    xm_scaled = xm.all_reduce("sum", a, scale=0.25)
+    xm_flags = {op: xm.all_reduce(op, flags) for op in ("and", "or")}
+    xm_ints = {op: xm.all_reduce(op, b) for op in ("sum", "min", "max", "mul")}
+    xm_list = [a.clone(), b.clone(), c.clone()]
+    assert xm.all_reduce("max", xm_list, scale=1.0) is xm_list
+    xm_gather0, xm_gather1 = xm.all_gather(a, dim=0), xm.all_gather(a, dim=1)
+    xm_gather_out = to_dev(torch.zeros(W * 3, 4))
+    xm.all_gather(a, dim=0, output=xm_gather_out)
+    rs_src = to_dev(per_rank(r, (2 * W, 3)))
+    rs_avg = C.reduce_scatter("avg", rs_src, 1.0, 0, W)
+    rs_avg_scaled = C.reduce_scatter("avg", rs_src, 3.0, 0, W)
+    rs_xm_mean = xm.reduce_scatter("sum", rs_src, 1.0 / W, 0, W)
+    rs_d_avg = to_dev(torch.zeros(2, 3))
+    dist.reduce_scatter_tensor(rs_d_avg, rs_src, op=dist.ReduceOp.AVG)
+    rs_d_list = to_dev(torch.zeros(2, 4))
+    dist.reduce_scatter(rs_d_list, rs_in, op=dist.ReduceOp.AVG)
+    rs_d_min = to_dev(torch.zeros(2, 3))
+    dist.reduce_scatter_tensor(rs_d_min, rs_src, op=dist.ReduceOp.MIN)
+
     torchacc.sync()
 
     # ---- check against the math ------------------------------------------------------------
@@ -161,6 +178,26 @@ def scenario_collectives(args):
     if r == 0:
         close(red, total, "dist.reduce")
     checks += ["all_reduce", "dist.all_reduce", "reduce"]
+    close(xm_single["sum"], total, "xm.all_reduce sum")
+    close(xm_single["mul"], stack.prod(0), "xm.all_reduce mul")
+    close(xm_single["min"], stack.min(0).values, "xm.all_reduce min")
+    close(xm_single["max"], stack.max(0).values, "xm.all_reduce max")
+    close(xm_scaled, total * 0.25, "xm.all_reduce sum scale")
+    close(xm_flags["and"], fl.all(0), "xm.all_reduce and")
+    close(xm_flags["or"], fl.any(0), "xm.all_reduce or")
+    istack = torch.stack(ints)
+    close(xm_ints["sum"], istack.sum(0), "xm.all_reduce sum int64")
+    close(xm_ints["min"], istack.min(0).values, "xm.all_reduce min int64")
+    close(xm_ints["max"], istack.max(0).values, "xm.all_reduce max int64")
+    close(xm_ints["mul"], istack.prod(0), "xm.all_reduce mul int64")
+    close(xm_list[0], stack.max(0).values, "xm.all_reduce max list[0]")
+    close(xm_list[1], istack.max(0).values, "xm.all_reduce max list[1]")
+    cstack = torch.stack([per_rank(q, (4,), torch.bfloat16) for q in ranks])
+    close(xm_list[2], cstack.max(0).values, "xm.all_reduce max list[2] bf16")
+    close(xm_gather0, torch.cat(allr, 0), "xm.all_gather dim=0")
+    close(xm_gather1, torch.cat(allr, 1), "xm.all_gather dim=1")
+    close(xm_gather_out, torch.cat(allr, 0), "xm.all_gather output=")
+    checks += ["xm.all_reduce", "xm.all_gather"]
     for q in ranks:
         close(g_list[q], allr[q], f"dist.all_gather[{q}]")
     close(g_cat, torch.cat(allr), "all_gather_into_tensor (concat)")
@@ -175,6 +212,14 @@ def scenario_collectives(args):
     close(rs_t, big_all[2 * r : 2 * r + 2], "reduce_scatter_tensor MAX")
     xs = sum(per_rank(q, (3, 2 * W)) for q in ranks) * 0.5
     close(rs_xm, xs[:, 2 * r : 2 * r + 2], "xm reduce_scatter dim=1 scale")
+    rs_all = torch.stack([per_rank(q, (2 * W, 3)) for q in ranks])
+    mine = slice(2 * r, 2 * r + 2)
+    close(rs_avg, (rs_all.sum(0) / W)[mine], "reduce_scatter avg")
+    close(rs_avg_scaled, (rs_all.sum(0) / W * 3.0)[mine], "reduce_scatter avg scale")
+    close(rs_xm_mean, (rs_all.sum(0) / W)[mine], "xm.reduce_scatter sum scale 1/W")
+    close(rs_d_avg, (rs_all.sum(0) / W)[mine], "dist.reduce_scatter_tensor AVG")
+    close(rs_d_list, rs_full[r] / W, "dist.reduce_scatter AVG")
+    close(rs_d_min, rs_all.min(0).values[mine], "dist.reduce_scatter_tensor MIN")
     checks += ["reduce_scatter"]
     got = bc_f.cpu()
     want = torch.tensor([-0.0, float("nan"), float("inf"), 2.5, -2.0])
@@ -297,41 +342,55 @@ def make_model():
 
 
 def _reduce_gradients(model, optimizer, api, world):
-    """Average the gradients over the ranks the way a recipe does."""
+    """Average the gradients over the ranks the way a recipe does (before ``optimizer.step``)."""
     if api == "xm":  # the seed's recipe: xm._fetch_gradients + xm.all_reduce(scale=1/world)
-        try:
-            import torchacc.torch_xla.core.xla_model as xm
-        except ImportError:  # the compat layer is not there: the same call on our API
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            C.all_reduce("sum", grads, scale=1.0 / world)
-            return "collectives.all_reduce"
         gradients = xm._fetch_gradients(optimizer)
         xm.all_reduce("sum", gradients, scale=1.0 / world)
         return "xm.all_reduce"
-    for p in model.parameters():  # torch.distributed on the "xla" process group
-        if p.grad is not None:
-            dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
-    return "dist.all_reduce"
+    if api == "reduce_gradients":
+        xm.reduce_gradients(optimizer)
+        return "xm.reduce_gradients"
+    if api == "dist":  # torch.distributed on the "xla" process group
+        for p in model.parameters():
+            if p.grad is not None:
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        return "dist.all_reduce"
+    return None  # xm.optimizer_step reduces by itself
+
+
+# name -> (optimizer, how gradients are averaged). Plain SGD makes the update proportional to the
+# averaged gradient, so a sum instead of a mean (or no reduction) changes the parameters directly;
+# momentum and AdamW are there because recipes use them.
+RECIPES = {
+    "sgd": ("sgd_momentum", "xm"),
+    "adamw": ("adamw", "dist"),
+    "xm.optimizer_step": ("sgd", "optimizer_step"),
+    "xm.reduce_gradients": ("sgd", "reduce_gradients"),
+}
+
+
+def _optimizer(kind, params):
+    if kind == "sgd_momentum":
+        return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.2)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
 
 
 def scenario_train(args):
     """Train a tiny MLP for ``--steps`` steps: in one process on ``--batch`` samples, or in W
     processes on ``--batch`` samples each (rank r takes rows r*b..(r+1)*b of the same global
-    batch). Two recipes: SGD+momentum with xm-style gradient averaging and AdamW with
-    dist.all_reduce(AVG)."""
+    batch), once per recipe in RECIPES."""
     W, r = runtime.world_size(), runtime.rank()
     if W > 1:
         dist.init_process_group(backend="xla", init_method="env://")
     result = {}
-    for name, opt_name, api in (("sgd", "sgd", "xm"), ("adamw", "adamw", "dist")):
+    for name, (opt_name, api) in RECIPES.items():
         full = args.batch * W
         model = make_model().to(DEV)
         if W > 1:
             C.broadcast_parameters(model)
-        if opt_name == "sgd":
-            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-        else:
-            opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        opt = _optimizer(opt_name, model.parameters())
         losses, used = [], None
         for step in range(args.steps):
             x, y = batch_for(step, full)
@@ -340,9 +399,13 @@ def scenario_train(args):
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
             loss.backward()
-            if W > 1:
-                used = _reduce_gradients(model, opt, api, W)
-            opt.step()
+            if api == "optimizer_step":
+                xm.optimizer_step(opt)  # reduce_gradients + step, in one process too
+                used = "xm.optimizer_step"
+            else:
+                if W > 1:
+                    used = _reduce_gradients(model, opt, api, W)
+                opt.step()
             torchacc.sync()
             losses.append(loss.detach())
         result[name] = {

@@ -94,8 +94,11 @@ def run_rule(op, *args, rng_seed=0, **kwargs):
     return results
 
 
-def check_rule(op, *args, rtol=1e-5, atol=1e-6, **kwargs):
-    """Assert the rule for ``op`` matches eager CPU PyTorch on these inputs."""
+def check_rule(op, *args, rtol=1e-5, atol=1e-6, signed_zeros=False, **kwargs):
+    """Assert the rule for ``op`` matches eager CPU PyTorch on these inputs.
+
+    NaN must match NaN and infinities match exactly (``assert_allclose``); with ``signed_zeros``
+    a ``-0.0`` must also be ``-0.0`` (``assert_allclose`` treats the two zeros as equal)."""
     expected = op(*args, **kwargs)
     exp = list(expected) if isinstance(expected, (list, tuple)) else [expected]
     exp = [e for e in exp if isinstance(e, torch.Tensor)]
@@ -105,4 +108,9 @@ def check_rule(op, *args, rtol=1e-5, atol=1e-6, **kwargs):
         e_np = e.detach().float().numpy() if e.dtype == torch.bfloat16 else e.detach().numpy()
         assert g.dtype == e_np.dtype or e.dtype == torch.bfloat16, (op, i, g.dtype, e_np.dtype)
         np.testing.assert_allclose(g, e_np, rtol=rtol, atol=atol, err_msg=f"{op} output {i}")
+        if signed_zeros and g.dtype.kind == "f":
+            zero = (g == 0) & (e_np == 0)
+            np.testing.assert_array_equal(
+                np.signbit(g)[zero], np.signbit(e_np)[zero], err_msg=f"{op} {i}: sign of 0"
+            )
     return got

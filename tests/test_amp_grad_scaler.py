@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from compile_counts import new_graphs
 
 import torchacc
 from torchacc import metrics
@@ -133,6 +134,7 @@ def test_fp16_amp_step_has_no_host_transfers():
         if step == 2:  # after warm-up (first compiles, optimizer state creation)
             start = metrics.counter_value("TransferFromDevice") or 0
             fallbacks = metrics.executed_fallback_ops()
+            graphs = new_graphs()
         x, y = batches[step % 3]
         with autocast(dtype=torch.float16):
             out = model(x)
@@ -146,6 +148,7 @@ def test_fp16_amp_step_has_no_host_transfers():
         losses.append(loss)
     assert (metrics.counter_value("TransferFromDevice") or 0) == start
     assert metrics.executed_fallback_ops() == fallbacks
+    assert new_graphs() == graphs  # a changing loss scale is data: no new program
     assert float(scaler.get_scale()) == 2.0**11  # 6 steps, growth_interval 2, no overflow
     assert all(torch.isfinite(v.cpu()) for v in losses)
 
@@ -229,3 +232,45 @@ def test_seed_recipe_as_written(monkeypatch):
     for p, r in zip(model.parameters(), ref.parameters(), strict=True):
         torch.testing.assert_close(p.detach().cpu(), r.detach(), rtol=0.05, atol=0.02)
     assert scaler.get_scale() == 2.0**16
+
+
+@pytest.mark.parametrize("kind", ["syncfree", "torch.optim"])
+def test_one_scaler_several_optimizers_matches_torch(kind):
+    """torch.amp.GradScaler's contract for several optimizers: each optimizer skips its step when
+    *its own* gradients overflowed, and update() backs off when *any* of them did."""
+    dev = torchacc.device()
+    shapes = {"a": [(3, 2), (2,)], "b": [(4,)]}
+    overflow = {1: "b", 2: "a", 4: "b"}  # step -> the optimizer whose gradients hold an inf/nan
+    make = {
+        "syncfree": lambda ps: syncfree.SGD(ps, lr=0.1, momentum=0.5),
+        "torch.optim": lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.5),
+    }[kind]
+    init = {k: [torch.randn(s) for s in v] for k, v in shapes.items()}
+    ref = {k: [nn.Parameter(t.clone()) for t in v] for k, v in init.items()}
+    got = {k: [nn.Parameter(t.clone().to(dev)) for t in v] for k, v in init.items()}
+    ref_opts = {k: torch.optim.SGD(v, lr=0.1, momentum=0.5) for k, v in ref.items()}
+    opts = {k: make(v) for k, v in got.items()}
+    ref_scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4, growth_interval=2)
+    scaler = GradScaler(init_scale=2.0**4, growth_interval=2)
+    for step in range(6):
+        scale = float(ref_scaler.scale(torch.ones(())))  # "backward" of loss * scale
+        scaler.scale(torch.ones((), device=dev))
+        for i, k in enumerate(shapes):
+            grads = _grads(10 * step + 10 + i, shapes[k], scale)  # never an INF_STEPS seed
+            if overflow.get(step) == k:
+                grads[-1].view(-1)[0] = float("nan") if k == "a" else float("inf")
+            for p, q, g in zip(ref[k], got[k], grads, strict=True):
+                p.grad, q.grad = g.clone(), g.to(dev)
+        for k in shapes:
+            ref_scaler.step(ref_opts[k])
+            scaler.step(opts[k])
+        ref_scaler.update()
+        scaler.update()
+        torchacc.sync()
+        assert scaler.get_scale() == ref_scaler.get_scale(), f"scale after step {step}"
+        for k in shapes:
+            for p, q in zip(ref[k], got[k], strict=True):
+                torch.testing.assert_close(
+                    q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6, msg=f"{k} step {step}"
+                )
+    assert scaler.state_dict() == ref_scaler.state_dict()

@@ -1,7 +1,7 @@
 """Backward works on the torchacc device whether a backward ran before `import torchacc` or not.
 
-See Note [Autograd engine sized before torchacc registered] in torchacc/lazy/autograd_engine.py. Each
-case runs in a fresh process: the autograd engine sizes its device queues once per process.
+See Note [Autograd engine sized before torchacc registered] in torchacc/lazy/autograd_engine.py.
+Each case runs in a fresh process: the autograd engine sizes its device queues once per process.
 """
 
 from __future__ import annotations

@@ -13,6 +13,8 @@ EXPECTED_CHECKS = {
     "ranks",
     "all_reduce",
     "dist.all_reduce",
+    "xm.all_reduce",
+    "xm.all_gather",
     "reduce",
     "all_gather",
     "reduce_scatter",

@@ -207,3 +207,57 @@ def test_mpirun_started_process_runs_in_place(tmp_path):
 
 def test_parse_args_returns_namespace():
     assert isinstance(launch.parse_args(["--model", "gpt2"]), argparse.Namespace)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_mpirun_one_launcher_per_node_with_several_processes_each(tmp_path):
+    """``mpirun -np 2 --map-by node python launch_single_task.py --nproc_per_node=2``: each MPI
+    rank is a node that spawns 2 workers; the 4 workers form one job only if every launcher
+    keeps its own node rank (two "node 0"s would each start a store and never meet)."""
+    from distributed_launch import free_port
+
+    out = tmp_path / "m.json"
+    flags = [
+        sys.executable,
+        str(ROOT / "launch_single_task.py"),
+        "--nproc_per_node=2",
+        "--model=gpt-tiny",
+        "--seq_len=8",
+        "--batch_size=1",
+        "--max_steps=1",
+        "--amp_level=O0",
+        "--log_interval=1",
+        "--mock_samples=64",
+        f"--output={out}",
+    ]
+    port = free_port()
+    procs = []
+    for node in range(2):
+        env = child_env(
+            {
+                "OMPI_COMM_WORLD_RANK": str(node),
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "1",
+                "OMPI_MCA_ess_base_jobid": str(tmp_path),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
+        log = open(tmp_path / f"node{node}.log", "w")  # closed below
+        procs.append((subprocess.Popen(flags, cwd=ROOT, env=env, stdout=log, stderr=log), log))
+    try:
+        codes = [p.wait(timeout=360) for p, _ in procs]
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    logs = [(tmp_path / f"node{n}.log").read_text() for n in range(2)]
+    assert codes == [0, 0], "\n\n".join(text[-4000:] for text in logs)
+    for text in logs:
+        assert "2 node(s) x 2 process(es)" in text, text[-2000:]
+    assert "[summary] gpt-tiny eager x4" in logs[0]
+    check_metrics(load_metrics(out), steps=1, world_size=4)

@@ -274,10 +274,10 @@ def _fp32_append_dtype_kernel(op, target):
 
     def kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
-            if args and _eligible(args[0]):
-                full = tuple(args) + tuple(defaults[len(args) :])
-                return target(*full, **kwargs, dtype=torch.float32)
-            return op(*args, **kwargs)
+            full = tuple(args) + tuple(defaults[len(args) :])
+            # CUDA's type_from_firstarg: float32 for an eligible input, else the input's own dtype
+            dtype = torch.float32 if _eligible(args[0]) else args[0].dtype
+            return target(*full, **kwargs, dtype=dtype)
 
     return kernel
 

@@ -430,10 +430,23 @@ _UNARY_FLOAT_OPS = {
     "erfc": lax.erfc,
     "erfinv": _erfinv,
     "lgamma": lax.lgamma,
-    "digamma": lax.digamma,
+    "digamma": lambda x: _digamma(x),
 }
 for _name, _fn in _UNARY_FLOAT_OPS.items():
     register(getattr(aten, _name).default)(_unary_float(_fn))
+
+
+def _sign(x):
+    """torch's sign: (0 < x) - (x < 0). NaN gives 0 (jnp.sign gives NaN) and -0.0 gives +0.0."""
+    if x.dtype == jnp.bool_:
+        return x
+    return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
+
+
+def _digamma(x):
+    # torch (since 1.8): digamma(+0) = -inf and digamma(-0) = +inf, where lax.digamma gives NaN
+    pole = jnp.copysign(jnp.asarray(jnp.inf, x.dtype), -x)
+    return jnp.where(x == 0, pole, lax.digamma(x))
 
 
 def _keep_ints(fn):
@@ -455,9 +468,9 @@ _UNARY_SAME_DTYPE = {
     "frac": _keep_ints(lambda x: x - jnp.trunc(x)),
     "neg": jnp.negative,
     "abs": lambda x: x if x.dtype == jnp.bool_ else jnp.abs(x),
-    "sign": lambda x: x if x.dtype == jnp.bool_ else jnp.sign(x),
-    "sgn": lambda x: x if x.dtype == jnp.bool_ else jnp.sign(x),
-    "relu": lambda x: jnp.maximum(x, jnp.zeros((), x.dtype)),
+    "sign": lambda x: _sign(x),
+    "sgn": lambda x: _sign(x),
+    "relu": lambda x: jnp.where(x < 0, jnp.zeros((), x.dtype), x),  # keeps -0.0 and NaN
 }
 for _name, _fn in _UNARY_SAME_DTYPE.items():
     register(getattr(aten, _name).default)(_fn)
@@ -752,8 +765,9 @@ _BACKWARDS = {
     aten.leaky_relu_backward.default: lambda g, x, slope, is_result: jnp.where(x > 0, g, g * slope),
     aten.hardtanh_backward.default: lambda g, x, lo, hi: jnp.where((x <= lo) | (x >= hi), 0, g),
     aten.softplus_backward.default: _softplus_backward,
+    # torch's kernel: 0 for x <= -3, the slope inside (-3, 3), the gradient for x >= 3
     aten.hardswish_backward.default: lambda g, x: jnp.where(
-        x < -3, 0, jnp.where(x <= 3, g * (x / 3 + 0.5), g)
+        x <= -3, 0, jnp.where(x < 3, g * (x / 3 + 0.5), g)
     ),
     aten.hardsigmoid_backward.default: lambda g, x: jnp.where((x > -3) & (x < 3), g / 6, 0),
     aten.logit_backward.default: _logit_backward,

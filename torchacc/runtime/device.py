@@ -53,7 +53,16 @@ def _warn_if_torch_sees_cuda():
 @functools.lru_cache(maxsize=None)
 def jax_device():
     """The JAX device this process computes on (its local device in a multi-process job)."""
-    devices = jax.local_devices(backend=platform())
+    try:
+        devices = jax.local_devices(backend=platform())
+    except RuntimeError as e:
+        forced = os.environ.get("TORCHACC_DEVICE", "")
+        if not forced:
+            raise
+        raise RuntimeError(
+            f"TORCHACC_DEVICE={forced!r} asks for a {platform()} device, but JAX has none ({e}). "
+            "Install JAX for that platform (e.g. jax[cuda12]) or unset TORCHACC_DEVICE."
+        ) from e
     return devices[0]
 
 
