@@ -364,7 +364,7 @@ def test_torchacc_device_forces_the_platform(value):
 
 @pytest.fixture
 def fresh_device_choice():
-    device = sys.modules["torchacc.device"]  # (torchacc.device is the function)
+    from torchacc.runtime import device
     device.platform.cache_clear()
     device.jax_device.cache_clear()
     yield device
