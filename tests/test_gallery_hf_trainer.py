@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = "gallery/hf_trainer/train.py"
 STEPS = 20
 MODELS = ["gpt2", "bert"]
-# TODO(fused optimizers, issue 18 item 4): also run with optim="adamw_torch_fused" (transformers'
-# default on an accelerator) once _fused_adamw_ is lowered.
-OPTIMS = ["adamw_torch"]
+# transformers' default optimizer on an accelerator: torch.optim.AdamW(fused=True), one fused node
+# per parameter group on torchacc (torchacc/lowering/optim.py), the CPU fused kernel on eager
+OPTIMS = ["adamw_torch_fused"]
 
 
 def _run(args, timeout=900):

@@ -102,7 +102,7 @@ def parse_args(argv=None):
     p.add_argument("--save_steps", type=int, default=10)
     p.add_argument("--lr", type=float, default=1e-3)
     # adamw_torch_fused is transformers' default on an accelerator; the example names its choice
-    p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--optim", default="adamw_torch_fused")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--compare",
