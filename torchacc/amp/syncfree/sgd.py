@@ -101,14 +101,7 @@ class SGD(SyncFreeOptimizer):
                 if weight_decay != 0:
                     grad = grad.add(p, alpha=weight_decay)
                 if momentum != 0:
-                    state = self.state[p]
-                    if state.get("momentum_buffer") is None:
-                        state["momentum_buffer"] = torch.zeros_like(
-                            p, memory_format=torch.preserve_format
-                        )
-                        state["step"] = new_step(p)
-                    elif "step" not in state:  # a torch.optim.SGD state: buffer already set
-                        state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+                    state = self._momentum_state(p)
                     buf, step = state["momentum_buffer"], state["step"]
                     new_buf = torch.where(
                         step == 0, grad, buf.mul(momentum).add_(grad, alpha=1 - dampening)
@@ -136,14 +129,7 @@ class SGD(SyncFreeOptimizer):
         if momentum != 0:
             steps = []
             for p in params:
-                state = self.state[p]
-                if state.get("momentum_buffer") is None:
-                    state["momentum_buffer"] = torch.zeros_like(
-                        p, memory_format=torch.preserve_format
-                    )
-                    state["step"] = new_step(p)
-                elif "step" not in state:  # a torch.optim.SGD state: buffer already set
-                    state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+                state = self._momentum_state(p)
                 buffers.append(state["momentum_buffer"])
                 steps.append(state["step"])
             advance_steps(steps, found_inf)
@@ -161,3 +147,13 @@ class SGD(SyncFreeOptimizer):
             found_inf=found_inf,
         )
         return True
+
+    def _momentum_state(self, p):
+        """``p``'s state with a momentum buffer (zeros at first) and a device step count."""
+        state = self.state[p]
+        if state.get("momentum_buffer") is None:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] = new_step(p)
+        elif "step" not in state:  # a torch.optim.SGD state: buffer already set
+            state["step"] = torch.ones((), dtype=torch.float32, device=p.device)
+        return state
