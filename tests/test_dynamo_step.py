@@ -153,3 +153,19 @@ def test_scheduler_inside_the_step_is_refused():
     compiled(torch.randn(2, 8))
     with pytest.raises(RuntimeError, match="scheduler.step\\(\\) outside"):
         compiled(torch.randn(2, 8))
+
+
+def test_torchacc_compile_is_compile_step_and_import_stays_light():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torchacc\n"
+        "light = 'torchacc.dynamo' not in sys.modules\n"
+        "from torchacc.dynamo import compile_step\n"
+        "print(light, torchacc.compile is compile_step)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.split() == ["True", "True"]

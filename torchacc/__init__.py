@@ -5,6 +5,7 @@ Public API::
     dev = torchacc.device()          # torch.device('torchacc', 0)
     torchacc.sync()                  # = mark_step(): compile (first time) and launch the step
     torchacc.sync(wait=True)         # ... and wait for the device
+    step = torchacc.compile(train_step)  # trace once: the whole step as one program
     torchacc.metrics.metrics_report()
 """
 
@@ -30,8 +31,21 @@ import torch as _torch  # noqa: E402
 _torch.__future__.set_swap_module_params_on_conversion(True)
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
+
+
+def __getattr__(name):
+    # torchacc.compile(step): the whole step as one program (torchacc/dynamo/step.py); imported on
+    # first use, as torch._dynamo takes seconds to import
+    if name == "compile":
+        from torchacc.dynamo import compile_step
+
+        return compile_step
+    raise AttributeError(f"module 'torchacc' has no attribute {name!r}")
+
+
 __all__ = [
     "LazyTensor",
+    "compile",
     "device",
     "device_hw",
     "jax_device",
