@@ -18,10 +18,13 @@ aten = torch.ops.aten
 
 @pytest.fixture(autouse=True)
 def _restore_flags():
-    matmul, conv = torch.get_float32_matmul_precision(), torch.backends.cudnn.allow_tf32
-    yield
+    matmul = torch.get_float32_matmul_precision()
+    # torch.testing._internal (imported by the OpInfo sweep in the same worker) freezes the cudnn
+    # flags for plain assignment: set them through torch's flags() context manager instead
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, allow_tf32=cudnn.allow_tf32):
+        yield
     torch.set_float32_matmul_precision(matmul)
-    torch.backends.cudnn.allow_tf32 = conv
 
 
 def _hlo(fn, *shapes):
@@ -44,17 +47,18 @@ def test_matmul_precision_follows_torch(setting, want):
 
 @pytest.mark.parametrize("allow_tf32,want", [(False, "HIGHEST"), (True, "DEFAULT")])
 def test_conv_precision_follows_cudnn_allow_tf32(allow_tf32, want):
-    torch.backends.cudnn.allow_tf32 = allow_tf32
-    rule = lookup(aten.convolution.default).fn
-    text = _hlo(
-        lambda x, w: rule(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
-        (1, 2, 5, 5),
-        (3, 2, 3, 3),
-    )
-    if want == "HIGHEST":
-        assert "HIGHEST" in text, text
-    else:
-        assert "HIGHEST" not in text, text
+    cudnn = torch.backends.cudnn
+    with cudnn.flags(enabled=cudnn.enabled, allow_tf32=allow_tf32):
+        rule = lookup(aten.convolution.default).fn
+        text = _hlo(
+            lambda x, w: rule(x, w, None, [1, 1], [0, 0], [1, 1], False, [0, 0], 1),
+            (1, 2, 5, 5),
+            (3, 2, 3, 3),
+        )
+        if want == "HIGHEST":
+            assert "HIGHEST" in text, text
+        else:
+            assert "HIGHEST" not in text, text
 
 
 def test_scope_sets_jax_default_matmul_precision():
