@@ -6,8 +6,14 @@
 
 Every run is one launcher process (``launch_single_task.py ... --output JSON``); runs are
 interleaved (repeat -> model -> mode) so machine drift hits every mode alike. A failed run is
-recorded as an error row, never stops the benchmark. Writes ``results.json``, ``results.md``
-and ``results.png`` under ``--out``; see benchmarks/README.md for the columns.
+recorded as an error row and the benchmark goes on, but the exit status is 1 if any run failed
+(each failed run is named). Writes ``results.json``, ``results.md`` and ``results.png`` under
+``--out``; see benchmarks/README.md for the columns.
+
+Note [busy box]: a benchmark on a loaded machine measures the load, not the modes. The 1-min load
+average is sampled before and after every run; if it exceeds the core count, or the samples/s of
+any model x mode spread by more than SPREAD_LIMIT (max-min over median) across repeats, the
+results carry ``"busy": true`` with the reasons and a WARNING line is printed and written.
 """
 
 from __future__ import annotations
@@ -31,7 +37,11 @@ MODES = {  # name -> extra launcher flags
     "eager": [],
     "torch.compile": ["--torch_compile"],
     "torchacc": ["--compiler-opt"],
+    # torchacc with the step compiled through torch.compile's Dynamo frontend (not in defaults).
+    "torchacc-dynamo": ["--compiler-opt", "--compile_mode=dynamo"],
 }
+DEFAULT_MODES = "eager,torch.compile,torchacc"
+SPREAD_LIMIT = 0.20  # max-min over median of samples/s across repeats; see Note [busy box]
 MODE_ALIASES = {"compile": "torch.compile", "inductor": "torch.compile", "acc": "torchacc"}
 
 # Per model: launcher flags for a full run (GPU sizes) and for --quick (tiny, CPU).
@@ -72,9 +82,7 @@ def detect_gpu() -> str | None:
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default="resnet50,gpt2", help="comma-separated gallery models")
-    p.add_argument(
-        "--modes", default="eager,torch.compile,torchacc", help="subset of " + ",".join(MODES)
-    )
+    p.add_argument("--modes", default=DEFAULT_MODES, help="subset of " + ",".join(MODES))
     p.add_argument("--nproc", type=int, default=1, help="processes per run (--nproc_per_node)")
     p.add_argument("--quick", action="store_true", help="tiny sizes, few steps (CPU, minutes)")
     p.add_argument("--repeats", type=int, default=None, help="default 3 (1 with --quick)")
@@ -148,9 +156,27 @@ def launcher_flags(args, model: str, mode: str, gpu: bool, output: str) -> list[
     return flags
 
 
+def _flag(flags: list[str], name: str) -> str | None:
+    return flags[flags.index(name) + 1] if name in flags[:-1] else None
+
+
+def model_label(args, model: str) -> str:
+    """What actually runs for ``model``: the launcher's ``--model`` and sizes (never an alias)."""
+    flags = launcher_flags(args, model, "eager", False, "-")
+    sizes = [f"batch {_flag(flags, '--batch_size') or '?'}"]
+    if _flag(flags, "--seq_len"):
+        sizes.append(f"seq {_flag(flags, '--seq_len')}")
+    if _flag(flags, "--image_size"):
+        sizes.append(f"{_flag(flags, '--image_size')}x{_flag(flags, '--image_size')}")
+    return f"{_flag(flags, '--model')} ({', '.join(sizes)})"
+
+
 def _error_line(text: str) -> str:
     """The most telling line of a failed run's output: the last exception line."""
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:  # argparse's "prog: error: ..." says more than its SystemExit
+        if ": error: " in ln and not ln.startswith(("self.", "File ")):
+            return ln[:400]
     for ln in reversed(lines):
         if (
             ("Error" in ln or "Exception" in ln)
@@ -197,10 +223,19 @@ def _ms(s):
     return None if s is None else s * 1000.0
 
 
+def _load1() -> float | None:
+    """The 1-min load average, or None where the OS has none."""
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):
+        return None
+
+
 def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
     tag = f"{model}.{mode}.r{repeat}"
-    output = os.path.join(logdir, tag + ".json")
-    metrics_path = os.path.join(logdir, tag + ".metrics.json")
+    # The launcher runs with cwd=ROOT: hand it absolute paths, show the user's spelling.
+    output = os.path.abspath(os.path.join(logdir, tag + ".json"))
+    metrics_path = os.path.abspath(os.path.join(logdir, tag + ".metrics.json"))
     flags = launcher_flags(args, model, mode, gpu is not None, output)
     if args.nproc == 1:
         cmd = [sys.executable, WORKER, metrics_path, "--", *flags]
@@ -209,13 +244,14 @@ def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
     env = dict(os.environ)
     env.setdefault("JAX_PLATFORMS", "" if gpu else "cpu")
     cache_tmp = None
-    if mode == "torchacc" and not args.warm_cache:
+    if mode.startswith("torchacc") and not args.warm_cache:
         cache_tmp = tempfile.TemporaryDirectory(prefix="torchacc-bench-cache-")
         env["TORCHACC_CACHE_DIR"] = cache_tmp.name
     for p in (output, metrics_path):
         if os.path.exists(p):
             os.remove(p)
     row = {"model": model, "mode": mode, "repeat": repeat, "command": " ".join(cmd)}
+    row["loadavg_before"] = _load1()
     t0 = time.perf_counter()
     try:
         proc = subprocess.run(
@@ -231,16 +267,18 @@ def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
         if cache_tmp is not None:
             cache_tmp.cleanup()
     row["wall_s"] = time.perf_counter() - t0
+    row["loadavg_after"] = _load1()
     log = os.path.join(logdir, tag + ".log")
     with open(log, "w") as f:
         f.write(text)
-    row["log"] = os.path.relpath(log, ROOT)
+    row["log"] = log
     metrics = None
     if os.path.exists(metrics_path):
         with open(metrics_path) as f:
             metrics = json.load(f)
     if rc != 0 or not os.path.exists(output):
-        row["error"] = (metrics or {}).get("error") or _error_line(text)
+        err = (metrics or {}).get("error")
+        row["error"] = _error_line(text) if not err or err.startswith("SystemExit") else err
         row["returncode"] = rc
         row.update(compiler_stats(metrics, 0))
         return row
@@ -269,7 +307,7 @@ def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
     return row
 
 
-def summarize(rows: list[dict], models, modes) -> list[dict]:
+def summarize(rows: list[dict], models, modes, labels: dict) -> list[dict]:
     out = []
     for model in models:
         base = None
@@ -279,6 +317,7 @@ def summarize(rows: list[dict], models, modes) -> list[dict]:
             sps = [r["samples_per_sec"] for r in ok]
             s = {
                 "model": model,
+                "label": labels[model],
                 "mode": mode,
                 "runs": len(runs),
                 "ok": len(ok),
@@ -289,6 +328,7 @@ def summarize(rows: list[dict], models, modes) -> list[dict]:
                     samples_per_sec=_median(sps),
                     samples_per_sec_min=min(sps),
                     samples_per_sec_max=max(sps),
+                    spread=(max(sps) - min(sps)) / _median(sps),
                     tokens_per_sec=_median([r.get("tokens_per_sec") for r in ok]),
                     step_time_ms=_median([r["step_time_ms"] for r in ok]),
                     first_step_s=_median([r["first_step_s"] for r in ok]),
@@ -296,8 +336,6 @@ def summarize(rows: list[dict], models, modes) -> list[dict]:
                     peak_mem_source=ok[0]["peak_mem_source"],
                     device=ok[0]["device"],
                     amp=ok[0]["amp"],
-                    launched_model=ok[0]["launched_model"],
-                    batch_size=ok[0]["batch_size"],
                 )
                 for key in (
                     "compiles",
@@ -310,6 +348,9 @@ def summarize(rows: list[dict], models, modes) -> list[dict]:
                     vals = [r.get(key) for r in ok if r.get(key) is not None]
                     if vals:
                         s[key] = _median(vals)
+                if len(sps) >= 4:
+                    q1, _, q3 = statistics.quantiles(sps, n=4)
+                    s["samples_per_sec_iqr"] = [q1, q3]
                 fb = sorted({op for r in ok for op in r.get("fallback_ops", [])})
                 if fb:
                     s["fallback_ops"] = fb
@@ -333,21 +374,21 @@ def markdown(summary: list[dict], meta: dict) -> str:
         f"{meta['steps']} steps ({meta['warmup']} warm-up excluded) · nproc {meta['nproc']} · "
         f"{meta['date']} · `{meta['command']}`",
         "",
-        "| model | mode | samples/s (median [min–max]) | × eager | step ms | first step s "
+        *[f"**WARNING: busy box**: {w}" for w in meta.get("warnings", [])],
+        *([""] if meta.get("warnings") else []),
+        "| model | mode | samples/s (median [min–max], spread) | × eager | step ms | first step s "
         "| peak mem GiB (× eager) | compiles / recompiles | trace ms/step | sync ms/step |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
-        name = s["model"] + (
-            f" ({s['launched_model']}, b{s['batch_size']})" if s.get("launched_model") else ""
-        )
+        name = s["label"]
         if not s["ok"]:
             err = "; ".join(s["errors"]).replace("|", "\\|")
             lines.append(f"| {name} | {s['mode']} | **error**: {err} | | | | | | | |")
             continue
         sps = (
             f"{s['samples_per_sec']:.1f} [{s['samples_per_sec_min']:.1f}–"
-            f"{s['samples_per_sec_max']:.1f}]"
+            f"{s['samples_per_sec_max']:.1f}] spread {100 * s['spread']:.0f}%"
         )
         if s["errors"]:
             sps += f" ({s['runs'] - s['ok']} failed)"
@@ -362,14 +403,14 @@ def markdown(summary: list[dict], meta: dict) -> str:
             f"| {_f(s.get('sync_ms_per_step'), '.1f')} |"
         )
     lines.append("")
-    fb = [f"{s['model']}: {', '.join(s['fallback_ops'])}" for s in summary if s.get("fallback_ops")]
+    fb = [f"{s['label']}: {', '.join(s['fallback_ops'])}" for s in summary if s.get("fallback_ops")]
     if fb:
         lines.append("torchacc CPU fallback ops: " + "; ".join(fb))
         lines.append("")
     return "\n".join(lines)
 
 
-def plot(summary: list[dict], models, modes, path: str) -> str | None:
+def plot(summary: list[dict], models, modes, meta: dict, path: str) -> str | None:
     try:
         import matplotlib
 
@@ -377,7 +418,7 @@ def plot(summary: list[dict], models, modes, path: str) -> str | None:
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed; skipped the PNG (pip install matplotlib)"
-    fig, ax = plt.subplots(figsize=(2.5 + 2.2 * len(models), 4))
+    fig, ax = plt.subplots(figsize=(4 + 2.2 * len(models), 4.5))
     width = 0.8 / max(len(modes), 1)
     for j, mode in enumerate(modes):
         xs, ys, lo, hi = [], [], [], []
@@ -406,9 +447,11 @@ def plot(summary: list[dict], models, modes, path: str) -> str | None:
             hi.append((s["samples_per_sec_max"] - s["samples_per_sec"]) / norm)
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=3, label=mode)
     ax.axhline(1.0, color="gray", lw=0.8, ls="--")
-    ax.set_xticks(range(len(models)), models)
+    labels = [next(s["label"] for s in summary if s["model"] == m) for m in models]
+    ax.set_xticks(range(len(models)), [lb.replace(" (", "\n(") for lb in labels], fontsize=8)
     ax.set_ylabel("samples/s relative to eager (median, min–max)")
-    ax.set_title("torchacc benchmarks")
+    title = f"torchacc benchmarks\n{meta['device']}, {meta['repeats']} repeat(s)"
+    ax.set_title(title + (" - BUSY BOX, see warnings" if meta.get("busy") else ""), fontsize=9)
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -416,29 +459,36 @@ def plot(summary: list[dict], models, modes, path: str) -> str | None:
     return None
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    gpu = detect_gpu()
-    os.makedirs(args.out, exist_ok=True)
-    logdir = os.path.join(args.out, "runs")
-    os.makedirs(logdir, exist_ok=True)
-    meta = {
-        "command": " ".join(
-            ["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]
-        ),
-        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "device": gpu
-        or f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
-        "host": platform.node(),
-        "amp_level": args.amp_level or ("O1" if gpu else "O0"),
-        "amp_dtype": args.amp_dtype or "bf16",
-        "repeats": args.repeats,
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "nproc": args.nproc,
-        "quick": args.quick,
-        "python": platform.python_version(),
-    }
+def busy_check(rows: list[dict], summary: list[dict]) -> tuple[list[float], list[str]]:
+    """The load samples and why the box looked busy (empty: quiet); see Note [busy box]."""
+    cores = os.cpu_count() or 1
+    keys = ("loadavg_before", "loadavg_after")
+    loads = [r[k] for r in rows for k in keys if r.get(k) is not None]
+    reasons = []
+    if loads and max(loads) > cores:
+        reasons.append(
+            f"1-min load average reached {max(loads):.2f} (> {cores} cores) before/after runs; "
+            "other work competed with the benchmark"
+        )
+    for s in summary:
+        if s["ok"] and s.get("spread", 0.0) > SPREAD_LIMIT:
+            reasons.append(
+                f"{s['label']} {s['mode']}: samples/s spread {100 * s['spread']:.0f}% over "
+                f"{s['ok']} repeats (> {100 * SPREAD_LIMIT:.0f}%)"
+            )
+    return loads, reasons
+
+
+def failures(rows: list[dict]) -> list[str]:
+    """One line per failed run: which model, mode and repeat, and its error."""
+    return [
+        f"{r['model']} {r['mode']} repeat {r['repeat'] + 1}: {r['error']} (log: {r['log']})"
+        for r in rows
+        if "error" in r
+    ]
+
+
+def run_all(args, gpu, logdir) -> list[dict]:
     rows: list[dict] = []
     for r in range(args.repeats):
         for model in args.models:
@@ -455,21 +505,61 @@ def main(argv=None) -> int:
                         f" s ({row['wall_s']:.0f} s wall)",
                         flush=True,
                     )
-    summary = summarize(rows, args.models, args.modes)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    gpu = detect_gpu()
+    os.makedirs(args.out, exist_ok=True)
+    logdir = os.path.join(args.out, "runs")
+    os.makedirs(logdir, exist_ok=True)
+    labels = {m: model_label(args, m) for m in args.models}
+    meta = {
+        "command": " ".join(
+            ["python benchmarks/run.py", *(sys.argv[1:] if argv is None else argv)]
+        ),
+        "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "device": gpu
+        or f"CPU ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)",
+        "host": platform.node(),
+        "cores": os.cpu_count(),
+        "amp_level": args.amp_level or ("O1" if gpu else "O0"),
+        "amp_dtype": args.amp_dtype or "bf16",
+        "repeats": args.repeats,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "nproc": args.nproc,
+        "quick": args.quick,
+        "models": labels,
+        "python": platform.python_version(),
+    }
+    rows = run_all(args, gpu, logdir)
+    summary = summarize(rows, args.models, args.modes, labels)
+    loads, reasons = busy_check(rows, summary)
+    meta.update(busy=bool(reasons), loadavg=loads, warnings=reasons)
     md = markdown(summary, meta)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
+    paths = {k: os.path.join(args.out, "results." + k) for k in ("json", "md", "png")}
+    with open(paths["json"], "w") as f:
         json.dump({"meta": meta, "summary": summary, "runs": rows}, f, indent=1, default=str)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
+    with open(paths["md"], "w") as f:
         f.write(md)
-    note = plot(summary, args.models, args.modes, os.path.join(args.out, "results.png"))
+    note = plot(summary, args.models, args.modes, meta, paths["png"])
     print()
     print(md)
     if note:
         print(note)
-    kinds = "json,md" if note else "json,md,png"
-    print(f"[bench] wrote {os.path.relpath(args.out)}/results.{{{kinds}}}")
-    # Non-zero only if no run at all succeeded.
-    return 0 if any("error" not in r for r in rows) else 1
+    for w in reasons:
+        print(f"[bench] WARNING: busy box: {w}", flush=True)
+    written = [p for k, p in paths.items() if not (note and k == "png")]
+    print(f"[bench] wrote {', '.join(written)}")
+    failed = failures(rows)
+    if failed:
+        print(f"[bench] FAILED: {len(failed)} of {len(rows)} runs:", file=sys.stderr)
+        for line in failed:
+            print(f"[bench]   {line}", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

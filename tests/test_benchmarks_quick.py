@@ -10,12 +10,17 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+def _bench(cwd, *flags):
+    cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), *flags]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+
+
 @pytest.mark.slow
 def test_benchmarks_quick(tmp_path):
-    out = tmp_path / "bench"
-    cmd = [
-        sys.executable,
-        os.path.join(ROOT, "benchmarks", "run.py"),
+    # A relative --out from another cwd: files land there and are reported as given.
+    proc = _bench(
+        tmp_path,
         "--quick",
         "--models", "gpt2",
         "--modes", "eager,torchacc",
@@ -23,35 +28,62 @@ def test_benchmarks_quick(tmp_path):
         "--steps", "4",
         "--warmup", "1",
         "--timeout", "100",
-        "--out", str(out),
-    ]  # fmt: skip
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+        "--out", "bench",
+    )  # fmt: skip
+    log = proc.stdout + proc.stderr
+    # Every requested mode must succeed: a recorded error string is a failure.
+    assert proc.returncode == 0, log
+    out = tmp_path / "bench"
+    assert "[bench] wrote bench/results.json, bench/results.md" in proc.stdout, log
 
     data = json.loads((out / "results.json").read_text())
     rows = {s["mode"]: s for s in data["summary"]}
     assert set(rows) == {"eager", "torchacc"}
+    for mode, row in rows.items():
+        assert row["ok"] == 1 and not row["errors"], (mode, row)
+        assert row["samples_per_sec"] > 0 and row["step_time_ms"] > 0
+        assert row["samples_per_sec_min"] <= row["samples_per_sec"] <= row["samples_per_sec_max"]
+        assert row["spread"] == 0.0  # one repeat
+        assert row["label"] == "gpt-tiny (batch 8, seq 64)"
+    for run in data["runs"]:
+        assert (tmp_path / run["log"]).is_file() and run["log"].startswith("bench/runs/")
 
-    eager = rows["eager"]
-    assert eager["ok"] == 1 and not eager["errors"]
-    assert eager["samples_per_sec"] > 0 and eager["step_time_ms"] > 0
+    eager, acc = rows["eager"], rows["torchacc"]
     assert eager["first_step_s"] > 0 and eager["peak_mem_gib"] >= 0
     assert eager["speedup_vs_eager"] == pytest.approx(1.0)
+    assert acc.get("compiles", 0) >= 1  # from torchacc.metrics
+    assert acc.get("trace_ms_per_step") is not None
 
-    acc = rows["torchacc"]
-    if acc["ok"]:
-        assert acc["samples_per_sec"] > 0
-        assert acc.get("compiles", 0) >= 1  # from torchacc.metrics
-        assert acc.get("trace_ms_per_step") is not None
-    else:  # the compiler path failed: recorded clearly, not a crash
-        assert acc["errors"] and all(e.strip() for e in acc["errors"])
-        run = next(r for r in data["runs"] if r["mode"] == "torchacc")
-        assert os.path.exists(os.path.join(ROOT, run["log"]))
+    # The busy-box verdict follows from the recorded load samples (one repeat: no spread).
+    meta = data["meta"]
+    assert len(meta["loadavg"]) == 2 * len(data["runs"])
+    assert meta["busy"] == (max(meta["loadavg"]) > meta["cores"])
+    assert ("WARNING: busy box" in proc.stdout) == meta["busy"]
 
     md = (out / "results.md").read_text()
-    assert "| gpt2 (gpt-tiny, b8) | eager |" in md
-    assert "torchacc" in md
+    assert "| gpt-tiny (batch 8, seq 64) | eager |" in md
+    assert "| gpt-tiny (batch 8, seq 64) | torchacc |" in md
+    assert "gpt2" not in md.split("|", 1)[1]  # the quick run is never labelled gpt2
+    assert ("WARNING: busy box" in md) == meta["busy"]
+
+
+@pytest.mark.slow
+def test_benchmarks_exit_nonzero_naming_failed_run(tmp_path):
+    # A launcher flag error fails in seconds, before any model is built.
+    proc = _bench(
+        tmp_path,
+        "--quick",
+        "--models", "gpt2",
+        "--modes", "eager",
+        "--extra=--no_such_flag",
+        "--out", str(tmp_path / "o"),
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "[bench] FAILED: 1 of 1 runs:" in proc.stderr
+    named = "gpt2 eager repeat 1: launch_single_task.py: error: unrecognized arguments: --no_such"
+    assert named in proc.stderr, proc.stderr
+    data = json.loads((tmp_path / "o" / "results.json").read_text())
+    assert data["summary"][0]["ok"] == 0 and "--no_such_flag" in data["summary"][0]["errors"][0]
 
 
 @pytest.mark.slow
