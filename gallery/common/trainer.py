@@ -225,8 +225,13 @@ class _StopAgreement:
         return signal.SIGINT if intr else None
 
 
-def _compile_counter(compiler: bool) -> Callable[[], int]:
-    """Programs compiled so far (torch_xla's ``UncachedCompile`` counter); 0 on the eager path."""
+def _compile_counter(compiler: bool, dynamo: bool = False) -> Callable[[], int]:
+    """Programs compiled so far (torch_xla's ``UncachedCompile`` counter; compile_step's traces
+    with --compile_mode=dynamo); 0 on the eager path."""
+    if dynamo:
+        from torchacc import metrics
+
+        return lambda: metrics.counter_value("StepTrace") or 0
     if not compiler:
         return lambda: 0
     import torchacc.torch_xla.debug.metrics as met
@@ -261,10 +266,57 @@ def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | No
     if errors:
         raise _exit_reported(2, f"error: {errors[0]}", rank)
     _ensure_distributed_env()
+    err = _dynamo_unsupported(args)
+    if err:
+        raise _exit_reported(2, f"error: {err}", rank)
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
         os.environ["TORCHACC_KERNEL_OPT"] = "1"
     return train(task_factory(args), args)
+
+
+def _dynamo_mode(args: argparse.Namespace) -> bool:
+    return bool(args.compiler_opt) and getattr(args, "compile_mode", "lazy") == "dynamo"
+
+
+def _dynamo_unsupported(args: argparse.Namespace) -> str | None:
+    """What ``--compile_mode=dynamo`` cannot run yet, in one line (the launcher refuses the
+    explicit cases first; this catches what only the worker knows: the world size, the default
+    AMP dtype of this device)."""
+    if not _dynamo_mode(args):
+        return None
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        return (
+            f"--compile_mode=dynamo: {world} processes are not supported yet (the compiled step "
+            "has no gradient all-reduce); run one process"
+        )
+    cuda = torch.cuda.is_available()
+    if resolve_amp_dtype(args, cuda) == torch.float16:
+        return (
+            "--compile_mode=dynamo: fp16 autocast with GradScaler is not supported yet; use "
+            "--amp_dtype=bf16 or --amp_level=O0"
+        )
+    return None
+
+
+def _compiled_step(task: Task, model: nn.Module, optimizer, autocast_cm):
+    """The whole training step (preprocess, forward, loss, backward, optimizer update) as one
+    program through ``torchacc.dynamo.compile_step``; its first call runs eagerly, the second
+    traces and compiles, later ones launch the program. The LR stays a runtime input."""
+    from torchacc.dynamo import compile_step
+
+    def train_step(inputs, target):
+        if task.preprocess is not None:
+            inputs = task.preprocess(inputs)
+        with autocast_cm():
+            loss = task.loss_fn(model(inputs), target)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        return loss.detach()
+
+    return compile_step(train_step, models=[model], optimizers=[optimizer])
 
 
 def _load_resume(args, task: Task, model: nn.Module, rank: int, logger) -> dict:
@@ -297,7 +349,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     logger = create_logger(rank=rank)
-    compiler = enable_torchacc_compiler()
+    dynamo = _dynamo_mode(args)
+    # --compile_mode=dynamo: tensors stay on the eager device, the step is compiled as a whole
+    compiler = enable_torchacc_compiler() and not dynamo
 
     if compiler:
         # torchacc: the TorchAcc recipe's imports, unchanged but for the package name.
@@ -355,12 +409,15 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         model.to(device)
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True
-        )
+        if not dynamo:  # one process (checked in run): no gradients to all-reduce
+            model = nn.parallel.DistributedDataParallel(
+                model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True
+            )
         if args.torch_compile:
             model = torch.compile(model)
         mode = "eager+compile" if args.torch_compile else "eager"
+        if dynamo:
+            mode = "torchacc-dynamo"
 
     amp_dtype = resolve_amp_dtype(args, cuda)
     use_scaler = amp_dtype == torch.float16
@@ -369,7 +426,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     if compiler and amp_dtype is not None:
         optimizer_cls, opt_kwargs = syncfree.AdamW, {}
     else:
-        optimizer_cls, opt_kwargs = torch.optim.AdamW, ({"fused": True} if cuda else {})
+        fused = cuda and not dynamo  # compile_step traces AdamW's capturable foreach form
+        optimizer_cls, opt_kwargs = torch.optim.AdamW, ({"fused": True} if fused else {})
     optimizer = optimizer_cls(model.parameters(), lr, weight_decay=weight_decay, **opt_kwargs)
     if not use_scaler:
         scaler = None
@@ -384,6 +442,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         if compiler:
             return autocast(device, dtype=amp_dtype)
         return torch.autocast(device.type, dtype=amp_dtype)
+
+    compiled_step = (
+        _compiled_step(task, model, optimizer, autocast_context_manager) if dynamo else None
+    )
 
     start_step = 0
     if ckpt is not None:
@@ -492,13 +554,18 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         losses.extend(values)
         pending.clear()
 
-    compile_count = _compile_counter(compiler)
+    compile_count = _compile_counter(compiler, dynamo)
     stop = checks.StopRequest()
     agree = _StopAgreement(stop, world_size, min(args.log_interval, 10))
     previous_handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     stop_signal = None
     compiles_first = compiler or args.torch_compile
-    if rank == 0 and compiles_first and steps_to_run > 0:
+    if rank == 0 and dynamo and steps_to_run > 0:
+        logger.info(
+            f"torchacc-dynamo: step {start_step + 1} runs eagerly, step {start_step + 2} traces "
+            "and compiles the whole step into one program, later steps launch it"
+        )
+    elif rank == 0 and compiles_first and steps_to_run > 0:
         logger.info(
             f"step {start_step + 1}: tracing and compiling the training step (the first step "
             "compiles; later steps reuse it)"
@@ -525,29 +592,32 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 target = target.to(device, non_blocking=True)
                 if cuda and task.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
-            if task.preprocess is not None:
-                inputs = task.preprocess(inputs)
-
-            with autocast_context_manager():
-                output = model(inputs)
-                loss = task.loss_fn(output, target)
-
-            optimizer.zero_grad(set_to_none=True)
-            if scaler is not None:
-                scaler.scale(loss).backward()
-                if compiler:
-                    gradients = xm._fetch_gradients(optimizer)
-                    xm.all_reduce("sum", gradients, scale=1.0 / world_size)
-                scaler.step(optimizer)
-                scaler.update()
+            if compiled_step is not None:
+                loss = compiled_step(inputs, target)
             else:
-                loss.backward()
+                if task.preprocess is not None:
+                    inputs = task.preprocess(inputs)
+
+                with autocast_context_manager():
+                    output = model(inputs)
+                    loss = task.loss_fn(output, target)
+
+                optimizer.zero_grad(set_to_none=True)
+                if scaler is not None:
+                    scaler.scale(loss).backward()
+                    if compiler:
+                        gradients = xm._fetch_gradients(optimizer)
+                        xm.all_reduce("sum", gradients, scale=1.0 / world_size)
+                    scaler.step(optimizer)
+                    scaler.update()
+                else:
+                    loss.backward()
+                    if compiler:
+                        gradients = xm._fetch_gradients(optimizer)
+                        xm.all_reduce("sum", gradients, scale=1.0 / world_size)
+                    optimizer.step()
                 if compiler:
-                    gradients = xm._fetch_gradients(optimizer)
-                    xm.all_reduce("sum", gradients, scale=1.0 / world_size)
-                optimizer.step()
-            if compiler:
-                xm.mark_step()
+                    xm.mark_step()
 
             pending.append(loss.detach())
             steps.append(step)
