@@ -40,7 +40,7 @@ MODES = {  # name -> extra launcher flags
     # torchacc with the step compiled through torch.compile's Dynamo frontend (not in defaults).
     "torchacc-dynamo": ["--compiler-opt", "--compile_mode=dynamo"],
 }
-DEFAULT_MODES = "eager,torch.compile,torchacc"
+DEFAULT_MODES = "eager,torch.compile,torchacc,torchacc-dynamo"
 SPREAD_LIMIT = 0.20  # max-min over median of samples/s across repeats; see Note [busy box]
 MODE_ALIASES = {"compile": "torch.compile", "inductor": "torch.compile", "acc": "torchacc"}
 
