@@ -365,6 +365,7 @@ def test_torchacc_device_forces_the_platform(value):
 @pytest.fixture
 def fresh_device_choice():
     from torchacc.runtime import device
+
     device.platform.cache_clear()
     device.jax_device.cache_clear()
     yield device

@@ -32,7 +32,6 @@ _torch.__future__.set_swap_module_params_on_conversion(True)
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
 
-
 def __getattr__(name):
     # torchacc.compile(step): the whole step as one program (torchacc/dynamo/step.py); imported on
     # first use, as torch._dynamo takes seconds to import
