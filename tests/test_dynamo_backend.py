@@ -295,3 +295,28 @@ def test_cuda_tensors_stay_on_the_gpu_zero_copy():
     assert torchacc.dynamo.bridge._views == {} or all(
         v[2].devices().pop().platform == "cpu" for v in torchacc.dynamo.bridge._views.values()
     )
+
+
+def test_backend_name_works_without_importing_torchacc():
+    """After ``pip install``, ``torch.compile(backend="torchacc")`` finds the backend through the
+    entry point, with or without ``import torchacc.dynamo`` first."""
+    from importlib.metadata import entry_points
+
+    if not any(e.name == "torchacc" for e in entry_points(group="torch_dynamo_backends")):
+        pytest.skip("torchacc is not installed (pip install -e .): no entry point to load")
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "if sys.argv[1] == 'import-first':\n"
+        "    import torchacc.dynamo\n"
+        "x = torch.arange(5.0)\n"
+        "f = torch.compile(lambda x: (x.sin() * 2).sum(), backend='torchacc')\n"
+        "print(abs(float(f(x)) - float((x.sin() * 2).sum())) < 1e-5)\n"
+    )
+    for mode in ("entry-point", "import-first"):
+        out = subprocess.run(
+            [sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

@@ -37,6 +37,16 @@ def register():
         registry.register_backend(backend, name="torchacc")
 
 
-register()
+def _installed_entry_point():
+    """Whether an installed torchacc declares the backend as a dynamo entry point: then dynamo
+    loads this module and registers ``backend`` itself (registering it here first would make that
+    a duplicate name)."""
+    from importlib.metadata import entry_points
+
+    return any(e.name == "torchacc" for e in entry_points(group="torch_dynamo_backends"))
+
+
+if not _installed_entry_point():
+    register()
 
 __all__ = ["backend", "compile_step", "register"]
