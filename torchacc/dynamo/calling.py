@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch import fx
 
-from torchacc.lowering.dtypes import jdtype
+from torchacc.lowering.dtypes import JAX_TO_TORCH, jdtype, wrapped_number_dtype
 from torchacc.lowering.registry import scalar_arguments
 
 _SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -39,26 +39,11 @@ def _lift(value, dtype):
 
 def _wrapped(value, partner):
     """A Python number in a Tensor slot as a 0-d array (Note [FX calling convention])."""
-    if isinstance(value, bool):
-        kind = 0
-    elif isinstance(value, int):
-        kind = 1
-    elif isinstance(value, float):
-        kind = 2
-    else:
+    kind = type(value)
+    if kind not in (bool, int, float):
         return value
-    ref = np.dtype(partner.dtype) if partner is not None else None
-
-    def cat(dt):
-        if dt == np.bool_:
-            return 0
-        return 1 if np.issubdtype(dt, np.integer) else 2
-
-    if ref is not None and cat(ref) == kind:
-        return jnp.asarray(value, ref)
-    if kind == 2:
-        return jnp.asarray(value, jdtype(torch.get_default_dtype()))
-    return jnp.asarray(value, jnp.bool_ if kind == 0 else jnp.int64)
+    ref = JAX_TO_TORCH.get(np.dtype(partner.dtype)) if partner is not None else None
+    return jnp.asarray(value, wrapped_number_dtype(kind, ref))
 
 
 def _convention(op, rule, args, kwargs):

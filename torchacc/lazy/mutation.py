@@ -10,9 +10,11 @@ from torchacc.ir import contiguous_desc
 from torchacc.lazy.record import (
     NeedsFallback,
     VRef,
+    fresh,
     mutated_positions,
     pack,
     record_values,
+    returns_tensor_lists,
     value_of,
     wrap,
 )
@@ -226,7 +228,7 @@ def make_mutation_handler(func, handler_of, fallback):
     def get_arg(args, kwargs, i):
         return args[i] if i < len(args) else kwargs.get(schema_args[i].name)
 
-    if mode == "inplace" and lookup(functional) is not None and _returns_lists(functional):
+    if mode == "inplace" and lookup(functional) is not None and returns_tensor_lists(functional):
         return _list_update_handler(func, functional, names, fallback)
 
     if mode == "inplace" and lookup(functional) is not None:
@@ -298,11 +300,6 @@ def write_back(target, result, func):
     assign(target, value_of(result))
 
 
-def _returns_lists(op):
-    rets = op._schema.returns
-    return len(rets) > 1 and all(str(r.type) == "List[Tensor]" for r in rets)
-
-
 # An argument list the op writes only when another argument is given: fused optimizers write the
 # unscaled gradients back only with a ``grad_scale`` (else ``grads`` is unchanged, and writing it
 # back would make every gradient an output of the step's program).
@@ -328,7 +325,7 @@ def _list_update_handler(func, functional, names, fallback):
             targets = args[i] if i < len(args) else kwargs[name]
             for t, v in zip(targets, outs):
                 if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
-                    write_back(t, wrap([v], op), func)  # raises the device or resize error
+                    write_back(t, fresh(v), func)  # raises the device or resize error
                 assign(t, v)
         return None
 

@@ -121,11 +121,17 @@ def _compute_meta_once(func, args, kwargs):
     raise NeedsFallback(f"{func} returns {type(out).__name__}")
 
 
+def returns_tensor_lists(op):
+    """Whether ``op`` returns several tensor lists (functional list updates: ``_fused_adamw``)."""
+    rets = op._schema.returns
+    return len(rets) > 1 and all(str(r.type) == "List[Tensor]" for r in rets)
+
+
 def _mirrored_lists_meta(func, margs):
     """Meta of a functional list-update op whose k output lists are the new values of its first
     k list arguments (``_fused_sgd``: torch has no meta kernel for it)."""
     rets = func._schema.returns
-    if not rets or any(str(r.type) != "List[Tensor]" for r in rets) or len(margs) < len(rets):
+    if not returns_tensor_lists(func) or len(margs) < len(rets):
         return None
     lists = margs[: len(rets)]
     if not all(isinstance(x, list) for x in lists):

@@ -53,3 +53,19 @@ def opmath(x):
     if x.dtype in (jnp.float16, jnp.bfloat16):
         return x.astype(jnp.float32)
     return x
+
+
+def wrapped_number_dtype(kind, partner):
+    """JAX dtype of a Python number (``kind``: bool, int or float) standing in a Tensor slot next to
+    a tensor of torch dtype ``partner`` (or None): the partner's dtype when both are of the same
+    category (torch's wrapped-number promotion), else torch's default for the number."""
+    import torch
+
+    if kind is bool:
+        same = partner == torch.bool
+        return jdtype(partner if same else torch.bool)
+    if kind is float:
+        same = partner is not None and partner.is_floating_point
+        return jdtype(partner if same else torch.get_default_dtype())
+    same = partner is not None and not partner.is_floating_point and partner != torch.bool
+    return jdtype(partner if same else torch.int64)

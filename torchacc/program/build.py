@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import torch
 
 from torchacc.ir import ScalarSlot, TensorSlot
-from torchacc.lowering.dtypes import jdtype
+from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
 
 
 def _fill(t, env, scalars):
@@ -106,18 +105,8 @@ def _scalar_kinds(node):
         if type(part) is tuple and len(part) == 2 and part[0] == "cpu0":
             kinds.append(jdtype(part[1]))
         elif type(part) is tuple and len(part) == 2 and part[0] == "wrapped":
-            kinds.append(_wrapped_dtype(part[1], node))
+            partner = node.inputs[0].desc[2] if node.inputs else None
+            kinds.append(wrapped_number_dtype(part[1], partner))
         elif part is float or part is int:
             kinds.append(None)
     return kinds
-
-
-def _wrapped_dtype(kind, node):
-    """dtype of a Python number standing for a tensor: the partner tensor's dtype when they are of
-    the same category (torch's wrapped-number promotion), else torch's default for the number."""
-    ref = node.inputs[0].desc[2] if node.inputs else None
-    if kind is float:
-        same = ref is not None and ref.is_floating_point
-        return jdtype(ref if same else torch.get_default_dtype())
-    same = ref is not None and not ref.is_floating_point and ref != torch.bool
-    return jdtype(ref if same else torch.int64)
