@@ -19,6 +19,7 @@ from torchacc.engine.execute import sync, wait_device_ops
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy import factories as _factories  # noqa: F401  (device= factories route here)
 from torchacc.lazy import autograd_kernels as _autograd_kernels  # noqa: F401  (above autograd)
+from torchacc.lazy import layer_kernels as _layer_kernels  # noqa: F401  (above autograd)
 from torchacc.amp import autocast_policy as _autocast_policy
 
 mark_step = sync

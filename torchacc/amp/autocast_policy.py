@@ -27,6 +27,7 @@ import torch
 from torch.library import Library, fallthrough_kernel
 
 from torchacc.lazy.device import DEVICE_TYPE, register_backend
+from torchacc.lazy.layer_kernels import FOLDED_CASTS
 
 aten = torch.ops.aten
 _KEY = "AutocastPrivateUse1"
@@ -223,8 +224,14 @@ def _low_dtype():
 
 
 def _lower_precision_kernel(op):
+    folded = FOLDED_CASTS.get(op)  # Note [Layer kernels] in torchacc/lazy/layer_kernels.py
+
     def kernel(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(_KEYSET):
+            if folded is not None:
+                out = folded(_low_dtype(), *args, **kwargs)
+                if out is not None:
+                    return out
             args, kwargs = _cast_all(args, kwargs, _low_dtype())
             return op(*args, **kwargs)
 

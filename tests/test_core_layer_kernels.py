@@ -1,0 +1,207 @@
+"""Layer kernels (Note [Layer kernels]): batch norm, and convolution/linear with autocast's casts
+folded in, as one autograd Function each -- eager numerics and running statistics, the same
+program as torch's composites, double backward."""
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import torchacc
+from torchacc.lazy import layer_kernels
+
+DEV = torchacc.device()
+
+
+def _bn_run(device, make, x, steps=2, create_graph=False, no_grad=False):
+    torch.manual_seed(0)
+    m = make()
+    with torch.no_grad():  # non-trivial affine parameters, drawn on the CPU for both sides
+        if m.weight is not None:
+            m.weight.uniform_(0.5, 1.5)
+            m.bias.uniform_(-0.5, 0.5)
+    m = m.to(device)
+    outs, grads = [], []
+    for step in range(steps):
+        xi = (x + step).to(device).requires_grad_(not no_grad)
+        if no_grad:
+            with torch.no_grad():
+                outs.append(m(xi).cpu())
+            continue
+        out = m(xi)
+        loss = (out * out * out).sum()  # second derivatives reach every leaf
+        leaves = [xi] + [p for p in m.parameters()]
+        g = torch.autograd.grad(loss, leaves, create_graph=create_graph)
+        if create_graph:
+            g = torch.autograd.grad(sum((gi * gi).sum() for gi in g), leaves)
+        outs.append(out.detach().cpu())
+        grads.extend(gi.cpu() for gi in g)
+    stats = [b.cpu() for b in m.buffers()]
+    return outs, grads, stats
+
+
+def _close(got, want, rel):
+    """Equal up to ``rel`` of each tensor's largest magnitude: a gradient entry that cancels
+    (0.007 next to entries of 100) carries float32 rounding of its summands, not its own size."""
+    for a, e in zip(got, want):
+        scale = max(1.0, e.abs().max().item()) if e.numel() and e.is_floating_point() else 1.0
+        torch.testing.assert_close(a, e, rtol=rel, atol=rel * scale)
+
+
+BN_CASES = {
+    "2d-affine": (lambda: nn.BatchNorm2d(3), (4, 3, 5, 5)),
+    "2d-no-affine": (lambda: nn.BatchNorm2d(3, affine=False), (4, 3, 5, 5)),
+    "1d-3d-input": (lambda: nn.BatchNorm1d(3), (4, 3, 7)),
+    "1d-2d-input": (lambda: nn.BatchNorm1d(6), (5, 6)),
+    "cumulative-momentum": (lambda: nn.BatchNorm2d(3, momentum=None), (2, 3, 4, 4)),
+}
+
+
+@pytest.mark.parametrize("case", list(BN_CASES))
+def test_batch_norm_train_matches_eager(case):
+    make, shape = BN_CASES[case]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    got, want = _bn_run(DEV, make, x), _bn_run("cpu", make, x)
+    _close(sum(got, []), sum(want, []), 1e-5)
+
+
+def test_batch_norm_double_backward_matches_eager():
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(4))
+    got = _bn_run(DEV, BN_CASES["2d-affine"][0], x, steps=1, create_graph=True)
+    want = _bn_run("cpu", BN_CASES["2d-affine"][0], x, steps=1, create_graph=True)
+    _close(sum(got, []), sum(want, []), 1e-4)
+
+
+def test_batch_norm_training_without_grad_updates_stats():
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(5))
+    got = _bn_run(DEV, BN_CASES["2d-affine"][0], x, no_grad=True)
+    want = _bn_run("cpu", BN_CASES["2d-affine"][0], x, no_grad=True)
+    _close(sum(got, []), sum(want, []), 1e-5)
+
+
+def test_batch_norm_is_one_node_and_one_autograd_function():
+    m = nn.BatchNorm2d(3).to(DEV)
+    x = torch.randn(2, 3, 4, 4).to(DEV).requires_grad_()
+    version = m.running_mean._version
+    out = m(x)
+    node = out._st.value.node
+    assert node.op.rule.name == "aten._native_batch_norm_legit_functional.default"
+    # the running statistics are outputs 3 and 4 of that same node: no extra op or tensor
+    assert m.running_mean._st.value.node is node and m.running_mean._st.value.index == 3
+    assert m.running_var._st.value.node is node and m.running_var._st.value.index == 4
+    assert m.running_mean._version > version  # an in-place update, as eager's
+    assert type(out.grad_fn).__name__ == "_BatchNormTrainBackward"
+    out.sum().backward()
+    assert x.grad._st.value.node.op.rule.name == "aten.native_batch_norm_backward.default"
+
+
+def test_batch_norm_eval_takes_torchs_path_and_matches_eager():
+    x = torch.randn(4, 3, 5, 5, generator=torch.Generator().manual_seed(6))
+
+    def run(device):
+        torch.manual_seed(0)
+        m = nn.BatchNorm2d(3).to(device)
+        m(x.to(device))  # one training step moves the stats
+        m.eval()
+        xi = x.to(device).requires_grad_()
+        out = m(xi)
+        out.sum().backward()
+        return [out.detach().cpu(), xi.grad.cpu()] + [b.cpu() for b in m.buffers()]
+
+    for a, e in zip(run(DEV), run("cpu")):
+        torch.testing.assert_close(a, e, rtol=1e-5, atol=1e-5)
+
+
+# --- autocast: casts folded into convolution and linear -------------------------------------
+
+
+def _autocast_run(device, layer, x, create_graph=False):
+    torch.manual_seed(0)
+    m = layer().to(device)
+    xi = x.to(device).requires_grad_()
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
+        out = m(xi)
+    loss = (out.float() ** 3).sum()
+    leaves = [xi] + list(m.parameters())
+    grads = torch.autograd.grad(loss, leaves, create_graph=create_graph)
+    if create_graph:
+        grads = torch.autograd.grad(sum((g.float() ** 2).sum() for g in grads), leaves)
+    return out, [out.detach().cpu()] + [g.cpu() for g in grads]
+
+
+LAYERS = {
+    "conv2d": (lambda: nn.Conv2d(4, 6, 3, padding=1), (2, 4, 6, 6)),
+    "conv2d-strided-grouped-nobias": (
+        lambda: nn.Conv2d(4, 6, 3, stride=2, padding=2, dilation=2, groups=2, bias=False),
+        (2, 4, 9, 9),
+    ),
+    "conv1d": (lambda: nn.Conv1d(3, 5, 2), (2, 3, 8)),
+    "conv3d": (lambda: nn.Conv3d(2, 3, 2), (1, 2, 4, 4, 4)),
+    "linear": (lambda: nn.Linear(8, 5), (3, 8)),
+    "linear-3d-nobias": (lambda: nn.Linear(8, 5, bias=False), (2, 3, 8)),
+}
+
+
+def _unfolded(monkeypatch):
+    monkeypatch.setattr(layer_kernels, "_foldable", lambda *tensors: False)
+
+
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_folded_casts_give_the_same_program_results(case, monkeypatch):
+    layer, shape = LAYERS[case]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(7))
+    out, folded = _autocast_run(DEV, layer, x)
+    assert out.dtype == torch.bfloat16
+    _unfolded(monkeypatch)
+    _, plain = _autocast_run(DEV, layer, x)
+    for a, e in zip(folded, plain):  # node for node the same math: bitwise equal
+        assert a.dtype == e.dtype
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("case", list(LAYERS))
+def test_folded_casts_match_eager_autocast(case):
+    layer, shape = LAYERS[case]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(8))
+    _, got = _autocast_run(DEV, layer, x)
+    _, want = _autocast_run("cpu", layer, x)
+    for a, e in zip(got, want):
+        assert a.dtype == e.dtype
+        # bf16 products: XLA and torch's CPU kernels accumulate in different orders
+        torch.testing.assert_close(a.float(), e.float(), rtol=3e-2, atol=3e-2)
+
+
+@pytest.mark.parametrize("case", ["conv2d", "linear"])
+def test_folded_casts_double_backward(case):
+    layer, shape = LAYERS[case]
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(9))
+    _, got = _autocast_run(DEV, layer, x, create_graph=True)
+    _, want = _autocast_run("cpu", layer, x, create_graph=True)
+    for a, e in zip(got, want):
+        # second-order terms meet in bf16 in another order than torch's engine sums them: equal
+        # up to bf16 rounding of the largest term
+        scale = e.float().abs().max()
+        torch.testing.assert_close(a.float(), e.float(), rtol=2e-2, atol=1e-2 * scale)
+
+
+@pytest.mark.parametrize("case", ["conv2d", "linear"])
+def test_folded_cast_is_one_autograd_node(case):
+    layer, shape = LAYERS[case]
+    m = layer().to(DEV)
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        out = m(torch.randn(*shape).to(DEV).requires_grad_())
+    assert type(out.grad_fn).__name__.startswith("_Cast")
+    # no ToCopyBackward between the layer and its parameters: the casts are graph nodes only
+    leaves = [type(f).__name__ for f, _ in out.grad_fn.next_functions if f is not None]
+    assert "ToCopyBackward0" not in leaves and "AccumulateGrad" in leaves
+
+
+def test_folded_casts_leave_float64_alone():
+    torch.manual_seed(0)
+    m = nn.Linear(4, 3).double()
+    x = torch.randn(2, 4, dtype=torch.float64)
+    want = m(x)
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        out = m.to(DEV)(x.to(DEV))
+    assert out.dtype == torch.float64  # autocast does not touch float64, folded or not
+    torch.testing.assert_close(out.cpu(), want)
