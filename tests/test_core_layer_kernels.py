@@ -5,7 +5,6 @@ program as torch's composites, double backward."""
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import torchacc
 from torchacc.lazy import layer_kernels
