@@ -39,20 +39,37 @@ def fetch(value, dtype):
     return read(value.array, dtype)
 
 
-def _donatable_fn():
-    """Inputs no live tensor will hold after this step can give their buffers to the outputs."""
-    held = set()
+def _live_outputs():
+    """The pending Values of live storages (a sync's outputs, in storage creation order) and the
+    ids of every Value and array some live storage holds, from one pass over the storages."""
+    outputs, held = [], set()
+    add, append = held.add, outputs.append
     for st in live_storages():
         v = st.value
-        held.add(id(v))
-        if v.array is not None:
-            held.add(id(v.array))
+        i = id(v)
+        if i in held:
+            continue
+        add(i)
+        if v.node is not None:
+            append(v)
+        elif v.array is not None:
+            add(id(v.array))
+    return outputs, held
+
+
+def _donatable_fn(held=None):
+    """Inputs no live tensor will hold after this step can give their buffers to the outputs."""
+    if held is None:
+        held = _live_outputs()[1]
     return lambda v: id(v) not in held and id(v.array) not in held
 
 
-def run(outputs, donate):
-    """Compute the pending Values ``outputs`` with one program and bind their arrays."""
-    graph = compiler.Graph(outputs, _donatable_fn() if donate else None)
+def run(outputs, donate, held=None):
+    """Compute the pending Values ``outputs`` with one program and bind their arrays.
+
+    With ``donate``, inputs no live storage holds give their buffers to the outputs; ``held`` is
+    that set of ids when the caller has it already (``_live_outputs``)."""
+    graph = compiler.Graph(outputs, _donatable_fn(held) if donate else None)
     floats = np.asarray(graph.floats, dtype=np.float64)
     ints = np.asarray(graph.ints, dtype=np.int64)
     args = [floats, ints] + [v.array for v in graph.inputs]
@@ -75,14 +92,9 @@ def sync(wait=False):
     if _last_sync_end[0] is not None:
         metrics.record_time("TraceTime", now - _last_sync_end[0])
     metrics.counter_inc("MarkStep")
-    outputs, seen = [], set()
-    for st in live_storages():
-        v = st.value
-        if v.node is not None and id(v) not in seen:
-            seen.add(id(v))
-            outputs.append(v)
+    outputs, held = _live_outputs()
     if outputs:
-        run(outputs, donate=True)
+        run(outputs, donate=True, held=held)
     _gc_after_sync()
     if wait:
         wait_device_ops()
