@@ -12,8 +12,10 @@ from torchacc.amp.syncfree._base import (
     check_options,
     commit,
     fusable,
+    group_steps,
     new_step,
     skip_flag,
+    split_steps,
 )
 
 
@@ -79,10 +81,11 @@ class Adam(SyncFreeOptimizer):
             group.setdefault("fused", None)
             group.setdefault("decoupled_weight_decay", False)
 
-    def _init_state(self, p, amsgrad):
+    def _init_state(self, p, amsgrad, step=True):
         state = self.state[p]
-        if len(state) == 0:
-            state["step"] = new_step(p)
+        if "exp_avg" not in state:
+            if step:
+                state["step"] = new_step(p)
             state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         if amsgrad and "max_exp_avg_sq" not in state:
@@ -109,6 +112,7 @@ class Adam(SyncFreeOptimizer):
             amsgrad = group["amsgrad"]
             if self._fused_step(group, lr, beta1, beta2, eps, weight_decay, amsgrad, found_inf):
                 continue
+            split_steps(self, group)  # Note [One step count per group]
             for p in group["params"]:
                 if p.grad is None:
                     continue
@@ -138,9 +142,11 @@ class Adam(SyncFreeOptimizer):
         params = [p for p in group["params"] if p.grad is not None]
         if not fusable(params, lr, (beta1, beta2, eps, weight_decay), found_inf):
             return False
-        states = [self._init_state(p, amsgrad) for p in params]
-        steps = [s["step"] for s in states]
+        states = [self._init_state(p, amsgrad, step=False) for p in params]
+        steps = group_steps(self, group, params, states, new_step)  # Note [One step count ...]
         advance_steps(steps, found_inf)
+        if len(steps) == 1 and len(params) > 1:
+            steps = steps * len(params)  # the fused kernels read the counts, never write them
         fused = torch._fused_adamw_ if group["decoupled_weight_decay"] else torch._fused_adam_
         fused(
             params,
