@@ -16,6 +16,7 @@ import numpy as np
 
 from torchacc import metrics
 from torchacc import program as compiler
+from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
 
@@ -35,6 +36,7 @@ def after_sync(fn):
 def fetch(value, dtype):
     """A CPU tensor with ``value``'s data (running its graph first if it is pending)."""
     if value.node is not None:
+        explain.on_read()  # Note [Explaining syncs and compiles]
         run([value], donate=False)
     return read(value.array, dtype)
 
@@ -81,6 +83,7 @@ def sync(wait=False):
         if v.node is not None and id(v) not in seen:
             seen.add(id(v))
             outputs.append(v)
+    explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
         run(outputs, donate=True)
     _gc_after_sync()
