@@ -13,6 +13,7 @@ itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, `
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 
@@ -21,7 +22,7 @@ _timings: dict = defaultdict(list)
 _stamps: dict = defaultdict(list)  # wall-clock time (time.time()) of each timing sample
 # Note [Explaining syncs and compiles]: what caused each sync and compile, filled by
 # torchacc/engine/explain.py at syncs and compiles only (never per recorded op)
-_sync_sites: dict = defaultdict(int)  # (event, kind, "file:line") -> count
+_sync_sites: dict = defaultdict(int)  # (event, kind, file, line) -> count
 _compiles: list = []  # one line per compile, why it happened (the first MAX_EXPLAINED kept)
 MAX_EXPLAINED = 200
 
@@ -146,10 +147,26 @@ def short_metrics_report(counter_names_=None, metric_names_=None):
 # --- why syncs and compiles happened (Note [Explaining syncs and compiles]) ---------------------
 
 
-def sync_site_inc(event, kind, site):
+def sync_site_inc(event, kind, file, line):
     """Count a sync: ``event`` ``mark_step`` or ``read``, what read (``kind``: ``print(loss)``,
-    ``.item()``...) and the user's line ``site``."""
-    _sync_sites[(event, kind, site)] += 1
+    ``.item()``...) and the user's line (``file``, ``line``)."""
+    _sync_sites[(event, kind, file, line)] += 1
+
+
+_short: dict = {}  # (path, working directory) -> short path
+
+
+def short_path(path):
+    """``path`` relative to the working directory when it is under it, else as it is."""
+    cwd = os.getcwd()
+    short = _short.get((path, cwd))
+    if short is None:
+        try:
+            rel = os.path.relpath(path, cwd)
+        except ValueError:
+            rel = ".."
+        short = _short[(path, cwd)] = path if rel.startswith("..") else rel
+    return short
 
 
 def compile_explained(text):
@@ -160,7 +177,11 @@ def compile_explained(text):
 
 def sync_sites():
     """``[((event, kind, "file:line"), count), ...]``, the most frequent first."""
-    return sorted(_sync_sites.items(), key=lambda kv: (-kv[1], kv[0]))
+    out = {}
+    for (event, kind, file, line), n in _sync_sites.items():
+        key = (event, kind, f"{short_path(file)}:{line}")
+        out[key] = out.get(key, 0) + n
+    return sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))
 
 
 def compile_explanations():

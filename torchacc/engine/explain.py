@@ -43,13 +43,18 @@ _names_by_key: dict = {}  # compiled key -> its input names (to explain a later 
 
 def on_mark_step(pending):
     """A ``mark_step``; ``pending``: it has work to run."""
-    site = sites.user_site(sites.caller(1))
-    metrics.sync_site_inc("mark_step", "mark_step", str(site))
-    _trigger[0] = ("mark_step", site)
+    frame = sites.user_frame(sites.caller(1))
+    if frame is None:
+        metrics.sync_site_inc("mark_step", "mark_step", "<unknown>", 0)
+        _trigger[0] = ("mark_step", sites.Site("<unknown>", 0, "?"))
+    else:
+        code, line = frame.f_code, frame.f_lineno
+        metrics.sync_site_inc("mark_step", "mark_step", code.co_filename, line)
+        _trigger[0] = ("mark_step", code, line)
     if _split_reads:
         if pending and not _hinted[0]:
             _hinted[0] = True
-            _hint(_split_reads[0], len(_split_reads) + 1, site)
+            _hint(_split_reads[0], len(_split_reads) + 1, _mark_site(_trigger[0]))
         _split_reads.clear()
     _op_ranges[0], _op_ranges[1] = _op_ranges[1], []
 
@@ -58,7 +63,7 @@ def on_read():
     """A read of a pending tensor is about to run the graph it needs."""
     read = sites.describe_read(sites.caller(1))
     metrics.counter_inc("ReadSync")
-    metrics.sync_site_inc("read", read.what(), str(read.site))
+    metrics.sync_site_inc("read", read.what(), read.site.file, read.site.line)
     _trigger[0] = read
     if not _hinted[0]:
         _split_reads.append(read)
@@ -103,7 +108,14 @@ def _describe_trigger(trigger):
         return f"a sync at {sites.user_site(sites.caller(2))}"
     if isinstance(trigger, sites.Read):
         return trigger.describe()
-    return f"mark_step at {trigger[1]}"
+    return f"mark_step at {_mark_site(trigger)}"
+
+
+def _mark_site(trigger):
+    if len(trigger) == 2:
+        return trigger[1]
+    code = trigger[1]
+    return sites.Site(code.co_filename, trigger[2], code.co_name)
 
 
 def _reason(graph, key, cached, frame):

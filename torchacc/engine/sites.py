@@ -28,6 +28,8 @@ import warnings
 import jax
 import torch
 
+from torchacc.metrics import short_path
+
 _TORCHACC = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _ROOTS = tuple(  # torchacc's first: describe_read tells torchacc's frames from torch's
     p + os.sep
@@ -63,15 +65,6 @@ class Site:
 
     def key(self):
         return (self.file, self.line)
-
-
-def short_path(path):
-    """``path`` relative to the working directory when it is under it, else as it is."""
-    try:
-        rel = os.path.relpath(path)
-    except ValueError:
-        return path
-    return path if rel.startswith("..") else rel
 
 
 def _site_of(frame):
@@ -147,10 +140,10 @@ class Read:
 
     def what(self):
         """``print(loss)``, ``loss > 0 (control flow (bool))``, ``.item()``."""
-        what = f"`{self.expr}`" if self.expr else self.kind
-        if self.expr and self.kind not in self.expr:
-            what += f" ({self.kind})"
-        return what
+        if not self.expr:
+            return self.kind
+        word = self.kind.strip(".()")  # `float(t)` and `t.item()` say their kind already
+        return f"`{self.expr}`" + ("" if word in self.expr else f" ({self.kind})")
 
     def describe(self):
         """``print(loss) at train.py:12`` / ``.item() in torch/optim/adam.py:40, from ...``."""
@@ -211,7 +204,7 @@ def _scalar_read_kind(frame):
     if ins is None:
         return ".item()"
     if ins.opname.startswith(_JUMPS):
-        return "control flow (bool)"
+        return "bool in control flow"
     expr = source_expr(frame) or ""
     for builtin in ("float", "int", "bool"):
         if expr.startswith(builtin + "("):

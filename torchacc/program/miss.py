@@ -30,13 +30,21 @@ class Miss:
 
 
 def _nearest(key, cached):
+    """The cached key sharing the most: ops with the same signature count 2, the same op with
+    other arguments 1, the same input shapes 1; of equals, the newest (what just ran)."""
     in_avals, parts = key[0], key[1]
+    funcs = [_func(op.key) for op in parts[::2]]
     best, best_score = None, -1
     for other in cached:
-        score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a is b or a == b)
+        score = 0
+        for a, b, f in zip(parts[::2], other[1][::2], funcs):
+            if a is b:
+                score += 2
+            elif f == _func(b.key):
+                score += 1
         if other[0] == in_avals:
             score += 1
-        if score > best_score:
+        if score >= best_score:
             best, best_score = other, score
     return best
 
