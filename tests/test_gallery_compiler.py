@@ -81,7 +81,7 @@ def _check_explained(stdout, explain):
     of a pending tensor splits it) and the syncs come from the trainer's own mark_step line."""
     assert explain["compiles"] == len(explain["compile_reasons"]) >= 1
     assert explain["read_syncs"] == 0 and explain["mark_steps"] >= 3
-    assert f"[explain] torchacc: {explain['compiles']} compiles (" in stdout
+    assert f"[explain] torchacc: {explain['compiles']} compile" in stdout
     assert "[explain]   compile #1 for mark_step at gallery/common/trainer.py:" in stdout
     top = explain["top_sync_sites"][0]
     assert top["event"] == "mark_step" and top["site"].startswith("gallery/common/trainer.py:")

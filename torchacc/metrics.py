@@ -157,7 +157,8 @@ _short: dict = {}  # (path, working directory) -> short path
 
 
 def short_path(path):
-    """``path`` relative to the working directory when it is under it, else as it is."""
+    """``path`` relative to the working directory when it is under it, an installed package's
+    file from its package (``torch/nn/utils/clip_grad.py``), else as it is."""
     cwd = os.getcwd()
     short = _short.get((path, cwd))
     if short is None:
@@ -165,7 +166,10 @@ def short_path(path):
             rel = os.path.relpath(path, cwd)
         except ValueError:
             rel = ".."
-        short = _short[(path, cwd)] = path if rel.startswith("..") else rel
+        if rel.startswith(".."):
+            installed = path.split(os.sep + "site-packages" + os.sep, 1)
+            rel = installed[1] if len(installed) == 2 else path
+        short = _short[(path, cwd)] = rel
     return short
 
 
@@ -210,13 +214,17 @@ def explain_summary(top=5):
     }
 
 
+def _n(count, noun):
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
 def explain_report(top=5):
     """Compiles and syncs with their causes: counts, each compile's reason, the top sync sites."""
     s = explain_summary(top)
     lines = [
-        f"torchacc: {s['compiles']} compiles ({s['compiled']} compiled, "
-        f"{s['persistent_cache_hits']} from the persistent cache), {s['syncs']} syncs "
-        f"({s['mark_steps']} mark_step, {s['read_syncs']} reads of a pending tensor)"
+        f"torchacc: {_n(s['compiles'], 'compile')} ({s['compiled']} compiled, "
+        f"{s['persistent_cache_hits']} from the persistent cache), {_n(s['syncs'], 'sync')} "
+        f"({s['mark_steps']} mark_step, {_n(s['read_syncs'], 'read')} of a pending tensor)"
     ]
     explained = s["compile_reasons"]
     if len(explained) > 2 * top:
