@@ -274,3 +274,34 @@ def test_debug_off_leaves_the_recording_path_untouched():
 
     assert os.environ.get("TORCHACC_DEBUG", "0") in ("", "0")
     assert LazyTensor.__dict__["__torch_dispatch__"].__func__ is dispatch._torch_dispatch
+
+
+def test_every_input_of_a_training_step_is_named():
+    """Parameters the step updates in place (their storage now holds the pending new value) are
+    named through the update nodes; optimizer state, buffers and the batch too."""
+    import sys as _sys
+
+    from torchacc.engine import names
+    from torchacc.ir import live_storages
+    from torchacc.program import Graph
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.BatchNorm1d(3)).to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):  # the second step has momentum buffers
+        x = torch.randn(5, 4).to(DEV)
+        loss = model(x).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 0:
+            torchacc.sync()
+    pending = {id(st.value): st.value for st in live_storages() if st.value.node is not None}
+    graph = Graph(list(pending.values()))  # what the sync below compiles
+    got = set(names.input_names(graph.inputs, _sys._getframe()))
+    torchacc.sync()
+    want = {"x", "model.0.weight", "model.0.bias", "model.1.weight", "model.1.bias"}
+    want |= {"model.1.running_mean", "model.1.running_var", "model.1.num_batches_tracked"}
+    want |= {f"opt.state[model.{p}]['momentum_buffer']" for p in ("0.weight", "0.bias")}
+    assert want <= got, sorted(got)
+    assert not [n for n in got if n.startswith("batch input")], sorted(got)
