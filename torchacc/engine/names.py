@@ -65,11 +65,13 @@ def _modules_and_optimizers(pairs):
         if isinstance(obj, (torch.nn.Module, torch.optim.Optimizer)):
             found.append((var, obj))
         elif not isinstance(obj, type) and type(obj).__module__ != "builtins":
-            attrs = getattr(obj, "__dict__", None)
-            if isinstance(attrs, dict):
-                for attr, sub in list(attrs.items())[:_MAX_LOCALS]:
-                    if isinstance(sub, (torch.nn.Module, torch.optim.Optimizer)):
-                        found.append((f"{var}.{attr}", sub))
+            try:  # a user object's __dict__ (a proxy may refuse: then it has no names to give)
+                attrs = list(vars(obj).items())[:_MAX_LOCALS]
+            except Exception:
+                continue
+            for attr, sub in attrs:
+                if isinstance(sub, (torch.nn.Module, torch.optim.Optimizer)):
+                    found.append((f"{var}.{attr}", sub))
     return found
 
 
