@@ -81,16 +81,6 @@ _STEP = """
 """
 
 
-def test_item_each_step_names_the_users_line(tmp_path):
-    out, lines = _run(tmp_path, _STEP.format(read="value = loss.item()"), debug=True)
-    line = _line_of(lines, "loss.item()")
-    syncs = [ln for ln in out.stderr.splitlines() if ln.startswith("torchacc: sync:")]
-    assert (
-        syncs == [f"torchacc: sync: `loss.item()` at script.py:{line} reads a pending tensor"] * 3
-    )
-    assert f"(('read', '`loss.item()`', 'script.py:{line}'), 3)" in out.stdout
-
-
 def test_print_before_mark_step_hints_once_at_the_users_line(tmp_path):
     out, lines = _run(tmp_path, _STEP.format(read="print(loss)"))
     line, mark = _line_of(lines, "print(loss)"), _line_of(lines, "xm.mark_step()")
@@ -201,36 +191,41 @@ def test_new_optimizer_state_is_named_after_the_parameter():
     assert "`opt.state[lin.weight]['exp_avg']`" in reason and "lin.bias" in reason
 
 
-def test_debug_names_aten_ops_and_the_line_that_recorded_them(tmp_path):
-    out, lines = _run(
-        tmp_path,
-        """
-        import torch, torchacc
-        for n in (4, 4, 5):
-            x = torch.ones(n).to(torchacc.device())
-            (x * 3).sum().item()
-        y = torch.ones(5).to(torchacc.device())
-        z = y - 3
-        z.sum().item()
-        a, b = torch.ones(2, 3, 5).to(torchacc.device()), torch.ones(7, 5).to(torchacc.device())
-        torch.nn.functional.linear(a, b).sum().item()
-        w = torch.ones(4, 4).to(torchacc.device()).requires_grad_()
-        torch.tanh(w).sum().backward()
-        torchacc.sync()
-        """,
-        debug=True,
-    )
+_DEBUG_SCRIPT = (
+    _STEP.format(read="value = loss.item()")
+    + """
+    for n in (4, 4, 5):
+        x = torch.ones(n).to(torchacc.device())
+        (x * 3).sum().item()
+    y = torch.ones(5).to(torchacc.device())
+    z = y - 3
+    z.sum().item()
+    a, b = torch.ones(2, 3, 5).to(torchacc.device()), torch.ones(7, 5).to(torchacc.device())
+    torch.nn.functional.linear(a, b).sum().item()
+"""
+)
+
+
+def test_debug_names_each_read_sync_and_each_recompile(tmp_path):
+    """TORCHACC_DEBUG=1: a line per read sync (``.item()`` every step) at the user's line, and
+    each compile's reason with input names, ATen op names and the line that recorded the op."""
+    out, lines = _run(tmp_path, _DEBUG_SCRIPT, debug=True)
+    line = _line_of(lines, "loss.item()")
+    syncs = [ln for ln in out.stderr.splitlines() if ln.startswith("torchacc: sync:")]
+    want = f"torchacc: sync: `loss.item()` at script.py:{line} reads a pending tensor"
+    assert syncs[:3] == [want] * 3, out.stderr
+    assert f"(('read', '`loss.item()`', 'script.py:{line}'), 3)" in out.stdout
+
     compiles = [ln for ln in out.stderr.splitlines() if ln.startswith("torchacc: compiling")]
-    assert len(compiles) == 5, out.stderr
-    assert "the first graph" in compiles[0]
-    assert "input `x` is f32[5]; the nearest cached graph had f32[4]" in compiles[1]
+    compiles = compiles[-3:]  # the script's second part: n=5, then `y - 3`, then linear
+    assert "input `x` is f32[5]; the nearest cached graph had f32[4]" in compiles[0], compiles
     sub = _line_of(lines, "z = y - 3")
-    assert f"starts with aten::sub.Tensor, recorded at script.py:{sub}" in compiles[2]
+    assert f"starts with aten::sub.Tensor, recorded at script.py:{sub}" in compiles[1]
     linear = _line_of(lines, "functional.linear")
     assert (
         "starts with aten::linear (recorded as torchacc's fused torchacc::linear), recorded at "
         f"script.py:{linear}"
-    ) in compiles[3]
+    ) in compiles[2]
     assert ".default" not in "\n".join(compiles)  # ATen names, not Python op objects
 
 
