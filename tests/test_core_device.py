@@ -229,30 +229,6 @@ def test_persistent_cache_survives_restart(tmp_path):
     assert second[-2] == "None" and second[-1] != "None"  # nothing compiled, all from disk
 
 
-def test_debug_explains_recompiles(tmp_path):
-    env = dict(
-        os.environ,
-        TORCHACC_DEBUG="1",
-        TORCHACC_CACHE_DIR=str(tmp_path / "c"),
-        JAX_PLATFORMS="cpu",
-        PYTHONPATH=os.pathsep.join(sys.path),
-    )
-    script = textwrap.dedent("""
-        import torch, torchacc
-        for n in (4, 4, 5):
-            x = torch.ones(n).to(torchacc.device())
-            (x * 3).sum().item()
-        y = torch.ones(5).to(torchacc.device())
-        (y - 3).sum().item()
-    """)
-    err = _run_script(env, script).stderr
-    lines = [ln for ln in err.splitlines() if ln.startswith("torchacc: compiling")]
-    assert len(lines) == 3, err
-    assert "first graph" in lines[0]
-    assert "input 0 has shape (5,)" in lines[1] and "(4,)" in lines[1]
-    assert "aten.sub" in lines[2]
-
-
 def test_step_graph_is_freed_by_reference_counting():
     """Values point at nodes, never back: a step's graph needs no cycle collector."""
     import gc

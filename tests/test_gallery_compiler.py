@@ -76,12 +76,25 @@ def _check_same_gradient_averages(eager_ckpt, acc_ckpt, rtol):
         torch.testing.assert_close(a, e, rtol=rtol, atol=rtol * float(e.abs().max()), msg=key)
 
 
+def _check_explained(stdout, explain):
+    """The trainer's [explain] block: every compile has a reason, the step is one graph (no read
+    of a pending tensor splits it) and the syncs come from the trainer's own mark_step line."""
+    assert explain["compiles"] == len(explain["compile_reasons"]) >= 1
+    assert explain["read_syncs"] == 0 and explain["mark_steps"] >= 3
+    assert f"[explain] torchacc: {explain['compiles']} compile" in stdout
+    assert "[explain]   compile #1 for mark_step at gallery/common/trainer.py:" in stdout
+    top = explain["top_sync_sites"][0]
+    assert top["event"] == "mark_step" and top["site"].startswith("gallery/common/trainer.py:")
+    assert top["count"] >= 3
+
+
 @pytest.mark.parametrize("model, nproc", PARITY)
 def test_compiler_path_matches_eager_at_O0(tmp_path_factory, model, nproc):
     flags = [*CASES[model], f"--nproc_per_node={nproc}", "--amp_level=O0"]
     _, eager, eager_ckpt = _losses(tmp_path_factory, "eager", flags)
     p, acc, acc_ckpt = _losses(tmp_path_factory, "torchacc", [*flags, "--compiler-opt"])
     assert f"[summary] {model} torchacc x{nproc}" in p.stdout
+    _check_explained(p.stdout, acc["summary"]["explain"])
     check_metrics(eager, steps=3, world_size=nproc)
     assert acc["steps"] == [0, 1, 2] and acc["config"]["world_size"] == nproc
     assert acc["summary"]["peak_mem_source"] in ("xla", "host_rss")

@@ -20,9 +20,12 @@ from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy import factories as _factories  # noqa: F401  (device= factories route here)
 from torchacc.lazy import autograd_kernels as _autograd_kernels  # noqa: F401  (above autograd)
 from torchacc.lazy import layer_kernels as _layer_kernels  # noqa: F401  (above autograd)
+from torchacc.lazy import op_sites as _op_sites
+from torchacc.engine.explain import SyncWarning
 from torchacc.amp import autocast_policy as _autocast_policy
 
 mark_step = sync
+_op_sites.install()  # TORCHACC_DEBUG=1: each recorded op knows the user's line that recorded it
 
 _program.enable_persistent_cache()
 # module.to(torchacc.device()) swaps parameters in place (torch's future default) instead of making
@@ -45,6 +48,7 @@ def __getattr__(name):
 
 __all__ = [
     "LazyTensor",
+    "SyncWarning",
     "compile",
     "device",
     "device_hw",

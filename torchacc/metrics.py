@@ -3,7 +3,8 @@
 Counters: ``MarkStep``, ``UncachedCompile`` (an XLA compile really ran), ``CachedCompile`` (the
 in-memory cache had the step), ``PersistentCacheHit`` (the on-disk cache spared a compile),
 ``TransferToDevice`` / ``TransferFromDevice`` (host<->device copies) and ``aten::<op>`` (an op ran
-eagerly on CPU because it has no lowering: a fallback).
+eagerly on CPU because it has no lowering: a fallback), ``ReadSync`` (a read of a pending tensor --
+``.item()``, ``print``, ``.cpu()``, ``bool()`` -- ran the graph it needs: a sync of its own).
 Timings (seconds): ``TraceTime`` (host time spent recording a step: from the end of the previous
 sync to the start of this one), ``CompileTime``, ``ExecuteTime`` (launching the program; execution
 itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, ``SyncTime``.
@@ -12,12 +13,18 @@ itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, `
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections import defaultdict
 
 _counters: dict = defaultdict(int)
 _timings: dict = defaultdict(list)
 _stamps: dict = defaultdict(list)  # wall-clock time (time.time()) of each timing sample
+# Note [Explaining syncs and compiles]: what caused each sync and compile, filled by
+# torchacc/engine/explain.py at syncs and compiles only (never per recorded op)
+_sync_sites: dict = defaultdict(int)  # (event, kind, file, line) -> count
+_compiles: list = []  # one line per compile, why it happened (the first MAX_EXPLAINED kept)
+MAX_EXPLAINED = 200
 
 
 def counter_inc(name, n=1):
@@ -69,7 +76,7 @@ def executed_fallback_ops():
 
 
 def clear_all():
-    _counters.clear()
+    clear_counters()
     clear_metrics()
 
 
@@ -81,6 +88,8 @@ def clear_metrics():
 
 def clear_counters():
     _counters.clear()
+    _sync_sites.clear()
+    _compiles.clear()
 
 
 def _fmt_seconds(s):
@@ -118,6 +127,7 @@ def short_metrics_report(counter_names_=None, metric_names_=None):
         "CachedCompile",
         "PersistentCacheHit",
         "TransferFromDevice",
+        "ReadSync",
     ]
     mnames = metric_names_ or ["CompileTime", "ExecuteTime", "TraceTime"]
     lines = []
@@ -131,4 +141,97 @@ def short_metrics_report(counter_names_=None, metric_names_=None):
     if counter_names_ is None:  # like torch_xla's: every op that fell back to the CPU
         for name in executed_fallback_ops():
             lines.append(f"Counter: {name}: {_counters[name]}")
+    return "\n".join(lines) + "\n"
+
+
+# --- why syncs and compiles happened (Note [Explaining syncs and compiles]) ---------------------
+
+
+def sync_site_inc(event, kind, file, line):
+    """Count a sync: ``event`` ``mark_step`` or ``read``, what read (``kind``: ``print(loss)``,
+    ``.item()``...) and the user's line (``file``, ``line``)."""
+    _sync_sites[(event, kind, file, line)] += 1
+
+
+_short: dict = {}  # (path, working directory) -> short path
+
+
+def short_path(path):
+    """``path`` relative to the working directory when it is under it, an installed package's
+    file from its package (``torch/nn/utils/clip_grad.py``), else as it is."""
+    cwd = os.getcwd()
+    short = _short.get((path, cwd))
+    if short is None:
+        try:
+            rel = os.path.relpath(path, cwd)
+        except ValueError:
+            rel = ".."
+        if rel.startswith(".."):
+            installed = path.split(os.sep + "site-packages" + os.sep, 1)
+            rel = installed[1] if len(installed) == 2 else path
+        short = _short[(path, cwd)] = rel
+    return short
+
+
+def compile_explained(text):
+    """Keep why a compile happened (``text``: its trigger and the difference from the cache)."""
+    if len(_compiles) < MAX_EXPLAINED:
+        _compiles.append(text)
+
+
+def sync_sites():
+    """``[((event, kind, "file:line"), count), ...]``, the most frequent first."""
+    out = {}
+    for (event, kind, file, line), n in _sync_sites.items():
+        key = (event, kind, f"{short_path(file)}:{line}")
+        out[key] = out.get(key, 0) + n
+    return sorted(out.items(), key=lambda kv: (-kv[1], kv[0]))
+
+
+def compile_explanations():
+    """Why each compile happened, in order (the first ``MAX_EXPLAINED``)."""
+    return list(_compiles)
+
+
+def explain_summary(top=5):
+    """The counts of :func:`explain_report` as a dict (the trainer's ``--output`` JSON keeps it)."""
+    compiled = _counters.get("UncachedCompile", 0)
+    loaded = _counters.get("PersistentCacheHit", 0)
+    marks = _counters.get("MarkStep", 0)
+    reads = _counters.get("ReadSync", 0)
+    return {
+        "compiles": compiled + loaded,
+        "compiled": compiled,
+        "persistent_cache_hits": loaded,
+        "syncs": marks + reads,
+        "mark_steps": marks,
+        "read_syncs": reads,
+        "compile_reasons": compile_explanations(),
+        "top_sync_sites": [
+            {"event": event, "what": kind, "site": site, "count": n}
+            for (event, kind, site), n in sync_sites()[:top]
+        ],
+    }
+
+
+def _n(count, noun):
+    return f"{count} {noun}{'' if count == 1 else 's'}"
+
+
+def explain_report(top=5):
+    """Compiles and syncs with their causes: counts, each compile's reason, the top sync sites."""
+    s = explain_summary(top)
+    lines = [
+        f"torchacc: {_n(s['compiles'], 'compile')} ({s['compiled']} compiled, "
+        f"{s['persistent_cache_hits']} from the persistent cache), {_n(s['syncs'], 'sync')} "
+        f"({s['mark_steps']} mark_step, {_n(s['read_syncs'], 'read')} of a pending tensor)"
+    ]
+    explained = s["compile_reasons"]
+    if len(explained) > 2 * top:
+        hidden = s["compiles"] - 2 * top
+        explained = explained[:top] + [f"... ({hidden} more)"] + explained[-top:]
+    lines.extend(f"  compile {text}" for text in explained)
+    for site in s["top_sync_sites"]:
+        what = "mark_step" if site["event"] == "mark_step" else site["what"]
+        lines.append(f"  sync x{site['count']}: {what} at {site['site']}")
     return "\n".join(lines) + "\n"

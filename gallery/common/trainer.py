@@ -731,6 +731,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     }
     if task.tokens_per_sample:
         summary["steady_tokens_per_sec"] = steady_sps * task.tokens_per_sample
+    if compiler:  # why each compile and sync happened (the lazy path's explain report)
+        from torchacc import metrics as acc_metrics
+
+        summary["explain"] = acc_metrics.explain_summary()
     result = {
         "config": {
             **{k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY},
@@ -772,6 +776,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             f" | total {format_duration(t_end - t_start)} | device {hardware}"
         )
         print(line, flush=True)
+        if compiler:
+            report = acc_metrics.explain_report().rstrip("\n").splitlines()
+            print("\n".join(f"[explain] {ln}" for ln in report), flush=True)
         if args.output:
             _write_json(args.output, result)
     dist.destroy_process_group()

@@ -16,6 +16,7 @@ import numpy as np
 
 from torchacc import metrics
 from torchacc import program as compiler
+from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
 
@@ -35,6 +36,7 @@ def after_sync(fn):
 def fetch(value, dtype):
     """A CPU tensor with ``value``'s data (running its graph first if it is pending)."""
     if value.node is not None:
+        explain.on_read()  # Note [Explaining syncs and compiles]
         run([value], donate=False)
     return read(value.array, dtype)
 
@@ -93,6 +95,7 @@ def sync(wait=False):
         metrics.record_time("TraceTime", now - _last_sync_end[0])
     metrics.counter_inc("MarkStep")
     outputs, held = _live_outputs()
+    explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
         run(outputs, donate=True, held=held)
     _gc_after_sync()

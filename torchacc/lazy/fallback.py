@@ -4,11 +4,11 @@
 from __future__ import annotations
 
 import os
-import warnings
 
 import torch
 
 from torchacc import metrics
+from torchacc.engine import sites
 from torchacc.engine.transfer import upload
 from torchacc.lazy.mutation import assign
 from torchacc.lazy.record import mutated_positions
@@ -28,10 +28,10 @@ def fallback_handler(func, args, kwargs):
     metrics.counter_inc(name)
     if name not in _warned:
         _warned.add(name)
-        warnings.warn(
+        sites.warn_at(  # at the user's line, not torchacc's (Note [Trigger sites])
+            sites.user_site(sites.caller(1)),
             f"torchacc: {func} has no lowering; it runs eagerly on CPU (counter {name!r}). "
             "Each call syncs its inputs to the host.",
-            stacklevel=3,
         )
     cpu_args = _map_tensors(args, to_cpu)
     cpu_kwargs = _map_tensors(kwargs, to_cpu)

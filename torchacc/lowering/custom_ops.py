@@ -44,3 +44,10 @@ _lib.impl("linear_backward", _linear_backward_meta, "Meta")
 
 linear = torch.ops.torchacc.linear.default
 linear_backward = torch.ops.torchacc.linear_backward.default
+
+# What each op is in ATen's words, for messages (a recompile names ``aten::linear``, not only the
+# fused op that recorded it)
+ATEN_NAMES = {
+    "torchacc::linear": "aten::linear",
+    "torchacc::linear_backward": "aten::linear's backward (aten::mm, aten::sum)",
+}

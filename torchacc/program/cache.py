@@ -6,7 +6,6 @@ Note [What a compiled step is keyed on] is in key.py.
 from __future__ import annotations
 
 import os
-import sys
 import time
 
 import jax
@@ -15,11 +14,11 @@ from torchacc import metrics
 from torchacc.lowering import precision
 from torchacc.program import spmd  # Note [Multi-process programs]
 from torchacc.program.build import program_of
-from torchacc.program.key import explain_miss
 
 _cache: dict = {}
 _persistent_hits = [0]
 memory_hits = [0]  # executables reused from the in-memory cache (never reset by metrics)
+on_miss = [None]  # fn(graph, key, cached keys) called before a compile (torchacc/engine/explain.py)
 
 
 def _on_event(event, **kwargs):
@@ -54,12 +53,8 @@ def compiled_for(graph, args):
         metrics.counter_inc("CachedCompile")
         memory_hits[0] += 1
         return exe
-    if os.environ.get("TORCHACC_DEBUG", "0") not in ("", "0"):
-        print(
-            f"torchacc: compiling graph #{len(_cache) + 1} ({len(graph.order)} ops): "
-            f"{explain_miss(key, _cache)}",
-            file=sys.stderr,
-        )
+    if on_miss[0] is not None:  # why this compile (Note [Explaining syncs and compiles])
+        on_miss[0](graph, key, _cache)
     start = time.perf_counter()
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)

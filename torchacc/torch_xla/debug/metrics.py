@@ -23,6 +23,8 @@ clear_counters = _m.clear_counters
 clear_metrics = _m.clear_metrics
 executed_fallback_ops = _m.executed_fallback_ops
 metrics_report = _m.metrics_report
+explain_report = _m.explain_report  # torchacc's: why each compile and sync happened
+explain_summary = _m.explain_summary
 
 
 def counter_value(name):
@@ -67,6 +69,8 @@ __all__ = [
     "counter_names",
     "counter_value",
     "executed_fallback_ops",
+    "explain_report",
+    "explain_summary",
     "metric_data",
     "metric_names",
     "metrics_report",
