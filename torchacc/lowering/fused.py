@@ -152,6 +152,11 @@ def _blocks(rows, chunk, body, init):
     return lax.fori_loop(0, n, lambda i, acc: body(jnp.minimum(i * chunk, rows - chunk), acc), init)
 
 
+def _block(x, start, chunk):
+    """Rows [start, start + chunk) of x, in x's dtype."""
+    return lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
+
+
 def _row_stats(block, tgt, label_smoothing):
     """Per row of a (rows, vocab) block: logsumexp, loss before weighting (float32)."""
     x = _f32(block)
@@ -182,7 +187,7 @@ def cross_entropy(logits, target, ignore_index, label_smoothing, reduction, chun
 
     def body(start, acc):
         lse_all, loss_all = acc
-        block = lax.dynamic_slice_in_dim(x, start, chunk, axis=0)
+        block = _block(x, start, chunk)
         tgt = lax.dynamic_slice_in_dim(t, start, chunk, axis=0)
         lse, loss = _row_stats(block, tgt, label_smoothing)
         lse_all = lax.dynamic_update_slice_in_dim(lse_all, lse.astype(fdt), start, axis=0)
@@ -217,7 +222,7 @@ def cross_entropy_backward(
     cols = jnp.arange(vocab)
 
     def body(start, out):
-        block = _f32(lax.dynamic_slice_in_dim(x, start, chunk, axis=0))
+        block = _f32(_block(x, start, chunk))
         tgt = lax.dynamic_slice_in_dim(t, start, chunk, axis=0)[:, None]
         w = lax.dynamic_slice_in_dim(weight, start, chunk, axis=0)[:, None].astype(block.dtype)
         row_lse = lax.dynamic_slice_in_dim(lse, start, chunk, axis=0)[:, None]
