@@ -445,3 +445,13 @@ def test_cross_entropy_lowering_never_holds_float32_logits():
 
     assert count(chunked, "4096x1024") == 0 and count(chunked, "256x1024") > 0
     assert count(plain, "4096x1024") > 0
+
+
+def test_attention_under_autocast_runs_in_the_autocast_dtype():
+    q, k, v = _qkv(H=4, Hkv=2)
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        out = torchacc_ops.flash_attention(q.to(DEV), k.to(DEV), v.to(DEV), causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = torchacc_ops.flash_attention(q, k, v, causal=True)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out.cpu().float(), want.float(), **TOL[torch.bfloat16])

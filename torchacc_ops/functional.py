@@ -46,10 +46,12 @@ def _check_attention(q, k, v):
         )
 
 
-def _autocast(t, device_type):
-    if torch.is_autocast_enabled(device_type) and t.is_floating_point():
-        return t.to(torch.get_autocast_dtype(device_type))
-    return t
+def _autocast(tensors, device_type):
+    """What autocast does to SDPA's inputs: floating tensors to the autocast dtype."""
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return [t.to(dtype) if t.is_floating_point() else t for t in tensors]
 
 
 def flash_attention(
@@ -69,7 +71,7 @@ def flash_attention(
     autocast dtype, as ``F.scaled_dot_product_attention`` is."""
     _check_attention(q, k, v)
     if _on_torchacc(q):
-        q, k, v = (_autocast(t, "torchacc") for t in (q, k, v))
+        q, k, v = _autocast((q, k, v), "torchacc")
         return _kernels().attention(q, k, v, attn_mask, dropout_p, causal, scale)
     if causal and attn_mask is not None:
         L, S = q.shape[-2], k.shape[-2]
