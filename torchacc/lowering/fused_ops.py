@@ -51,6 +51,19 @@ def _empty(shape, dtype):
     return torch.empty(tuple(shape), dtype=dtype, device="meta")
 
 
+def _like(t):
+    """An output shaped and laid out like ``t`` (strides kept when t is dense), so a caller's
+    transpose/view back to its layout needs no copy, as after PyTorch's own kernels."""
+    return torch.empty_like(t, device="meta")
+
+
+def _bhld(shape, dtype):
+    """(B, H, L, D) stored as (B, L, H, D), the layout of PyTorch's SDPA outputs and gradients:
+    ``y.transpose(1, 2).reshape(B, L, H * D)`` is then a view."""
+    b, h, n, d = shape
+    return torch.empty((b, n, h, d), dtype=dtype, device="meta").transpose(1, 2)
+
+
 def _shapes(**tensors):
     return ", ".join(f"{k} {tuple(t.shape)}" for k, t in tensors.items() if t is not None)
 
@@ -96,7 +109,7 @@ def _attention_meta(q, k, v, mask, dropout_p, is_causal, scale, mask_grad):
     check_attention(q, k, v, mask)
     if not 0.0 <= dropout_p < 1.0:
         raise RuntimeError(f"torchacc.attention: dropout_p must be in [0, 1), got {dropout_p}")
-    out = _empty(q.shape[:3] + v.shape[3:], q.dtype)
+    out = _bhld(q.shape[:3] + v.shape[3:], q.dtype)
     return out, _empty(q.shape[:3], torch.float32)
 
 
@@ -110,8 +123,8 @@ def _attention_backward_meta(
 ):
     if grad.shape != out.shape:
         _fail("attention_backward", "grad must have the output's shape", grad=grad, out=out)
-    dmask = _empty(mask.shape, mask.dtype) if mask_grad and mask is not None else None
-    return _empty(q.shape, q.dtype), _empty(k.shape, k.dtype), _empty(v.shape, v.dtype), dmask
+    dmask = _like(mask) if mask_grad and mask is not None else None
+    return _bhld(q.shape, q.dtype), _bhld(k.shape, k.dtype), _bhld(v.shape, v.dtype), dmask
 
 
 # -------------------------------------------------------------------------------------------------
@@ -128,12 +141,12 @@ def _rms_norm_meta(x, weight, eps):
     _check_float("rms_norm", x=x, weight=weight)
     if x.dim() == 0 or (weight is not None and tuple(weight.shape) != tuple(x.shape[-1:])):
         _fail("rms_norm", "weight must be 1-d of x's last dimension", x=x, weight=weight)
-    return _empty(x.shape, x.dtype), _empty(x.shape[:-1] + (1,), torch.float32)
+    return _like(x), _empty(x.shape[:-1] + (1,), torch.float32)
 
 
 def _rms_norm_backward_meta(grad, x, weight, rstd, output_mask):
-    dx = _empty(x.shape, x.dtype) if output_mask[0] else None
-    dw = _empty(weight.shape, weight.dtype) if output_mask[1] and weight is not None else None
+    dx = _like(x) if output_mask[0] else None
+    dw = _like(weight) if output_mask[1] and weight is not None else None
     return dx, dw
 
 
@@ -158,13 +171,13 @@ def check_rotary(x, cos, sin):
 
 def _rotary_meta(x, cos, sin):
     check_rotary(x, cos, sin)
-    return _empty(x.shape, x.dtype)
+    return _like(x)
 
 
 def _rotary_backward_meta(grad, x, cos, sin, output_mask):
-    dx = _empty(grad.shape, grad.dtype) if output_mask[0] else None
-    dcos = _empty(cos.shape, cos.dtype) if output_mask[1] else None
-    dsin = _empty(sin.shape, sin.dtype) if output_mask[2] else None
+    dx = _like(grad) if output_mask[0] else None
+    dcos = _like(cos) if output_mask[1] else None
+    dsin = _like(sin) if output_mask[2] else None
     return dx, dcos, dsin
 
 
@@ -175,11 +188,11 @@ def _swiglu_meta(gate, up):
             f"torchacc.swiglu: gate and up must have one shape and dtype, got "
             f"{tuple(gate.shape)} {gate.dtype} and {tuple(up.shape)} {up.dtype}"
         )
-    return _empty(gate.shape, gate.dtype)
+    return _like(gate)
 
 
 def _swiglu_backward_meta(grad, gate, up):
-    return _empty(gate.shape, gate.dtype), _empty(up.shape, up.dtype)
+    return _like(gate), _like(up)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -210,7 +223,7 @@ def _cross_entropy_meta(logits, target, ignore_index, label_smoothing, reduction
 
 
 def _cross_entropy_backward_meta(grad, logits, target, lse, *args):
-    return _empty(logits.shape, logits.dtype)
+    return _like(logits)
 
 
 for _name, _fn in [
