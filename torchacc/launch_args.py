@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import os
 
-# --model name -> worker module. GPT names are the configurations in gallery/gpt/model.py.
+# --model name -> worker module. GPT and LLaMA names are the configurations in
+# gallery/gpt/model.py and gallery/llama/model.py.
 MODELS: dict[str, str] = {
     "resnet50": "gallery.resnet50.main",
     "gpt2": "gallery.gpt.main",
@@ -16,6 +17,8 @@ MODELS: dict[str, str] = {
     "gpt2-large": "gallery.gpt.main",
     "gpt-mini": "gallery.gpt.main",
     "gpt-tiny": "gallery.gpt.main",
+    "llama-1b": "gallery.llama.main",
+    "llama-tiny": "gallery.llama.main",
 }
 
 # Flags that only the launcher reads; everything else is forwarded to the workers.
@@ -168,7 +171,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--kernel_opt",
         dest="kernel_opt",
         action="store_true",
-        help="ask the compiler path for its optimized kernels (sets TORCHACC_KERNEL_OPT=1)",
+        help="gpt and llama models use torchacc_ops' fused kernels (attention, RMSNorm, rotary, "
+        "SwiGLU, cross-entropy) on either path (sets TORCHACC_KERNEL_OPT=1)",
     )
     g.add_argument(
         "--torch_compile",
@@ -220,7 +224,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--seq_len",
         type=_int_at_least(2, "seq_len"),
         default=None,
-        help="gpt: tokens per sample (default: the model's block size, 1024 for gpt2)",
+        help="gpt, llama: tokens per sample (default: the model's block size, 1024 for gpt2)",
     )
     g.add_argument(
         "--data",
@@ -321,7 +325,10 @@ def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespac
 
 def _gpt_block_size(model: str) -> int | None:
     try:
-        from gallery.gpt.model import CONFIGS
+        if MODELS.get(model) == "gallery.llama.main":
+            from gallery.llama.model import CONFIGS
+        else:
+            from gallery.gpt.model import CONFIGS
     except ImportError:  # the gallery is not importable from here: the worker checks it
         return None
     cfg = CONFIGS.get(model)

@@ -49,7 +49,8 @@ def enable_torchacc_compiler() -> bool:
 
 
 def enable_torchacc_kernel() -> bool:
-    """True when the compiler path may use its optimized kernels (``--kernel-opt``)."""
+    """True when the gallery models use ``torchacc_ops``' fused kernels (``--kernel-opt``), on the
+    compiler path and on the eager one."""
     return _truthy("TORCHACC_KERNEL_OPT")
 
 

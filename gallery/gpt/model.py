@@ -2,7 +2,10 @@
 
 Attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` so the eager baseline uses
 PyTorch's fused kernels (flash / memory-efficient on CUDA) and the compiler path sees one op.
-Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808 parameters).
+With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
+``torchacc_ops.flash_attention`` (the same call on both paths; on the torchacc device one fused op,
+cuDNN on XLA:GPU). Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808
+parameters).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+import torchacc_ops
 
 __all__ = ["GPTConfig", "CONFIGS", "GPT", "build_gpt", "num_params"]
 
@@ -41,8 +46,9 @@ GPT2_NUM_PARAMS = 124_439_808
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, kernels: bool = False):
         super().__init__()
+        self.kernels = kernels
         assert cfg.n_embd % cfg.n_head == 0
         self.n_head = cfg.n_head
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
@@ -56,9 +62,11 @@ class CausalSelfAttention(nn.Module):
         q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
         v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        p = self.dropout if self.training else 0.0
+        if self.kernels:
+            y = torchacc_ops.flash_attention(q, k, v, causal=True, dropout_p=p)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
         return self.resid_dropout(self.c_proj(y))
 
@@ -75,10 +83,10 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, kernels: bool = False):
         super().__init__()
         self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        self.attn = CausalSelfAttention(cfg)
+        self.attn = CausalSelfAttention(cfg, kernels)
         self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.mlp = MLP(cfg)
 
@@ -88,13 +96,13 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, kernels: bool = False):
         super().__init__()
-        self.config = cfg
+        self.config, self.kernels = cfg, kernels
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
-        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.h = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight  # weight tying, as GPT-2
@@ -126,13 +134,13 @@ class GPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-def build_gpt(name: str, **overrides) -> GPT:
+def build_gpt(name: str, kernels: bool = False, **overrides) -> GPT:
     if name not in CONFIGS:
         raise KeyError(f"unknown GPT config {name!r}; known: {', '.join(CONFIGS)}")
     cfg = CONFIGS[name]
     if overrides:
         cfg = GPTConfig(**{**cfg.__dict__, **overrides})
-    return GPT(cfg)
+    return GPT(cfg, kernels)
 
 
 def num_params(model: nn.Module) -> int:

@@ -13,6 +13,7 @@ double backward works. ``F.scaled_dot_product_attention`` is routed to the fused
 
 import torch
 
+from torchacc.lazy import fused_kernels
 from torchacc.lowering import custom_ops as ops
 
 _lib = torch.library.Library("aten", "IMPL")
@@ -58,29 +59,39 @@ _lib.impl(aten.linear.default, _linear, "AutogradPrivateUse1")
 
 # F.scaled_dot_product_attention: torch consults a C++-only hook to pick a fused kernel, which a
 # Python backend cannot provide, so without this it always takes the math path (many small ops).
-# At the autograd key we route it to the attention ops that have lowerings (and backward formulas).
+# At the autograd key we route it to the fused attention op (Note [Fused kernels] in
+# fused_kernels.py): one op each way, cuDNN on XLA:GPU where it can serve the call.
 _sdpa = aten.scaled_dot_product_attention.default
 
 
 def _attention(
     query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
 ):
-    if enable_gqa or query.dim() != 4:
+    if (
+        query.dim() != 4
+        or key.dim() != 4
+        or value.dim() != 4
+        or (is_causal and attn_mask is not None)  # torch's error
+        or (not enable_gqa and key.shape[1] != query.shape[1])  # torch's error
+    ):
         return _sdpa.decompose(
             query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
         )
-    if attn_mask is not None and attn_mask.dtype == torch.bool:
-        attn_mask = torch.zeros(
-            attn_mask.shape, dtype=query.dtype, device=query.device
-        ).masked_fill(attn_mask.logical_not(), float("-inf"))
-    if dropout_p == 0.0 and (attn_mask is None or not attn_mask.requires_grad):
-        return aten._scaled_dot_product_flash_attention_for_cpu(
-            query, key, value, 0.0, is_causal, attn_mask=attn_mask, scale=scale
-        )[0]
-    needs_grad = any(t is not None and t.requires_grad for t in (query, key, value, attn_mask))
-    return aten._scaled_dot_product_efficient_attention(
-        query, key, value, attn_mask, needs_grad, dropout_p, is_causal, scale=scale
-    )[0]
+    return fused_kernels.attention(query, key, value, attn_mask, dropout_p, is_causal, scale)
 
 
 _lib.impl(_sdpa, _attention, "AutogradPrivateUse1")
+
+
+# F.rms_norm over the last dimension: the fused RMSNorm op (Note [Fused kernels]); PyTorch's
+# composite records ~6 ops forward and more backward.
+_rms_norm = aten.rms_norm.default
+
+
+def _rms_norm_route(input, normalized_shape, weight=None, eps=None):
+    if len(normalized_shape) != 1:
+        return _rms_norm.decompose(input, normalized_shape, weight, eps)
+    return fused_kernels.rms_norm(input, weight, eps)
+
+
+_lib.impl(_rms_norm, _rms_norm_route, "AutogradPrivateUse1")

@@ -19,6 +19,8 @@ _FAMILIES = (
     "order",
     "scatter",
     "nn_extra",
+    "fused",
+    "fused_attention",
 )
 
 

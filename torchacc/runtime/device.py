@@ -17,6 +17,7 @@ from torchacc import (
     _jaxconfig,  # noqa: F401  (before JAX makes any array)
     launch_checks,  # noqa: E402
 )
+from torchacc.lowering import target  # noqa: E402
 from torchacc.runtime import processes  # noqa: E402
 
 
@@ -39,6 +40,9 @@ def platform():
         pass
     _warn_if_torch_sees_cuda()
     return "cpu"
+
+
+target.set_platform_resolver(platform)  # rules that pick a kernel per platform (fused attention)
 
 
 def _warn_if_torch_sees_cuda():

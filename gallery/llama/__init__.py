@@ -1,0 +1,1 @@
+"""LLaMA-style decoder (RMSNorm, rotary embedding, SwiGLU, grouped-query attention)."""

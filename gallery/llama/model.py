@@ -1,0 +1,164 @@
+"""A LLaMA-style decoder-only transformer: pre-RMSNorm, rotary position embedding (rotate-half),
+SwiGLU MLP, grouped-query attention, untied output head.
+
+``kernels=True`` (the gallery's ``--kernel-opt``) computes each of those layers with
+``torchacc_ops`` (one fused op each way on the torchacc device; PyTorch's fused kernels or the
+same formula eagerly); ``kernels=False`` writes them in plain PyTorch, as HF transformers' LLaMA
+does. Both compute the same function. ``llama-1b`` has TinyLlama-1.1B's shape (1,100,048,384
+parameters); ``llama-tiny`` is for CPU runs and tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchacc_ops
+
+__all__ = ["LlamaConfig", "CONFIGS", "Llama", "build_llama"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 32000
+    block_size: int = 2048  # maximum sequence length
+    n_layer: int = 22
+    n_head: int = 32
+    n_kv_head: int = 4
+    n_embd: int = 2048
+    intermediate: int = 5632
+    rope_base: float = 10000.0
+    eps: float = 1e-5
+
+
+CONFIGS: dict[str, LlamaConfig] = {
+    "llama-1b": LlamaConfig(),  # TinyLlama-1.1B's shape
+    "llama-tiny": LlamaConfig(
+        vocab_size=512, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, intermediate=176
+    ),
+}
+
+LLAMA_1B_NUM_PARAMS = 1_100_048_384
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, kernels: bool):
+        super().__init__()
+        self.eps, self.kernels = eps, kernels
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernels:
+            return torchacc_ops.rms_norm(x, self.weight, self.eps)
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (y * self.weight.float()).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: bool) -> torch.Tensor:
+    """x (B, H, T, D); cos/sin (T, D/2)."""
+    if kernels:
+        return torchacc_ops.apply_rotary_emb(x, cos, sin)
+    cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+    xf = x.float()
+    return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: bool):
+        super().__init__()
+        if cfg.n_embd % cfg.n_head or cfg.n_head % cfg.n_kv_head:
+            raise ValueError(
+                f"n_embd {cfg.n_embd}, n_head {cfg.n_head}, n_kv_head "
+                f"{cfg.n_kv_head}: heads must divide n_embd and n_kv_head n_head"
+            )
+        self.n_head, self.n_kv_head = cfg.n_head, cfg.n_kv_head
+        self.head_dim = cfg.n_embd // cfg.n_head
+        self.kernels = kernels
+        kv = self.n_kv_head * self.head_dim
+        self.q_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+        self.k_proj = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.v_proj = nn.Linear(cfg.n_embd, kv, bias=False)
+        self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = rotary(q, cos, sin, self.kernels), rotary(k, cos, sin, self.kernels)
+        if self.kernels:
+            y = torchacc_ops.flash_attention(q, k, v, causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: bool):
+        super().__init__()
+        self.kernels = kernels
+        self.gate_proj = nn.Linear(cfg.n_embd, cfg.intermediate, bias=False)
+        self.up_proj = nn.Linear(cfg.n_embd, cfg.intermediate, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate, cfg.n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        h = torchacc_ops.swiglu(gate, up) if self.kernels else F.silu(gate) * up
+        return self.down_proj(h)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: bool):
+        super().__init__()
+        self.input_norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
+        self.attn = Attention(cfg, kernels)
+        self.post_attn_norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
+        self.mlp = MLP(cfg, kernels)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.input_norm(x), cos, sin)
+        return x + self.mlp(self.post_attn_norm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig, kernels: bool = False):
+        super().__init__()
+        self.config, self.kernels = cfg, kernels
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        cos, sin = torchacc_ops.rotary_cos_sin(
+            cfg.block_size, cfg.n_embd // cfg.n_head, cfg.rope_base
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        for m in self.modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(m.weight, mean=0.0, std=0.02)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab)."""
+        t = idx.shape[1]
+        if t > self.config.block_size:
+            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        return self.lm_head(self.norm(x))
+
+
+def build_llama(name: str, kernels: bool = False) -> Llama:
+    if name not in CONFIGS:
+        raise KeyError(f"unknown LLaMA config {name!r}; known: {', '.join(CONFIGS)}")
+    return Llama(CONFIGS[name], kernels)
