@@ -185,14 +185,14 @@ def run_tests(nodeids, workdir, cache, limit):
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.communicate()
-        return "timeout", None
+        return "timeout", f"no result in {limit + 60:.0f} s"
     if proc.returncode == 0:
         return "survived", None
     if proc.returncode == 5:
         raise RuntimeError(f"no tests collected from {nodeids[:3]}...\n{output[-2000:]}")
     failed = re.findall(r"^(?:FAILED|ERROR) (\S+)", output, re.M)
     if "Timeout" in output and not failed:
-        return "timeout", None
+        return "timeout", output[-600:]
     return "killed", failed[0] if failed else f"rc {proc.returncode}"
 
 
@@ -209,6 +209,8 @@ def try_mutant(m: Mutant, cov, workdir, cache, confirm=False, max_seconds=None):
         seconds = {t: s for t, s in seconds.items() if s <= max_seconds}
     covering = (contexts - {""}) & set(seconds)
     everything = sorted(seconds, key=lambda t: seconds[t])
+    if not everything:
+        raise SystemExit("no tests left to run (see --max-test-seconds)")
     if "" in contexts:  # runs at import time (module-level code): every test depends on it
         phases = [("all", everything)]
     elif covering:  # fastest first: a killed mutant stops at its first failing test (-x)
@@ -291,6 +293,12 @@ def main(argv=None):
         default=15.0,
         help="leave out tests that took longer in the baseline (0: keep all; default 15)",
     )
+    p.add_argument(
+        "--tests",
+        nargs="+",
+        help="try the mutants on these tests only, without the coverage run (checking that a new "
+        "test kills a survivor)",
+    )
     p.add_argument("--workdir", default=None)
     args = p.parse_args(argv)
 
@@ -321,7 +329,12 @@ def main(argv=None):
     workdir = args.workdir or os.path.join("/tmp", "torchacc-mutate", args.package)
     cache = os.path.join(os.path.dirname(workdir), "jax-cache")
     prepare(workdir)
-    cov = cover(args.package, workdir, cache)
+    if args.tests:  # every mutant runs exactly these tests ("" = as if run at import time)
+        lines = {str(n): [""] for m in todo for n in range(m.line, m.end_line + 1)}
+        cov = {"seconds": {t: 30.0 for t in args.tests}, "lines": {m.path: lines for m in todo}}
+        args.max_test_seconds = 0
+    else:
+        cov = cover(args.package, workdir, cache)
     print(f"{len(todo)} mutants to try ({len(chosen)} chosen of {len(mutants)})", flush=True)
     for i, m in enumerate(todo):
         r = try_mutant(m, cov, workdir, cache, args.confirm, args.max_test_seconds)
