@@ -84,6 +84,7 @@ class Mutant:
     end_col: int
     replacement: str
     operator: str  # e.g. "+ -> -", "delete call"
+    stmt_line: int = 0  # first line of the enclosing statement (coverage reports that line)
 
     @property
     def ident(self) -> str:
@@ -130,15 +131,17 @@ def _is_dunder_all(node: ast.AST) -> bool:
     )
 
 
-def _walk(node: ast.AST, parent: ast.AST | None = None):
-    """Yield (node, parent) for every node that may be mutated."""
+def _walk(node: ast.AST, parent: ast.AST | None = None, stmt: ast.AST | None = None):
+    """Yield (node, parent, enclosing statement) for every node that may be mutated."""
     if isinstance(node, ast.JoinedStr) or _is_dunder_all(node):
         return
     if _is_docstring(node, parent):
         return
     if isinstance(node, ast.If) and _is_type_checking(node.test):
         return
-    yield node, parent
+    if isinstance(node, ast.stmt):
+        stmt = node
+    yield node, parent, stmt
     skip = _skipped_fields(node)
     for name, value in ast.iter_fields(node):
         if name in skip:
@@ -146,7 +149,7 @@ def _walk(node: ast.AST, parent: ast.AST | None = None):
         children = value if isinstance(value, list) else [value]
         for child in children:
             if isinstance(child, ast.AST):
-                yield from _walk(child, node)
+                yield from _walk(child, node, stmt)
 
 
 def _is_type_checking(test: ast.AST) -> bool:
@@ -217,7 +220,7 @@ def mutants_of(path: str, source: str) -> list[Mutant]:
     tree = ast.parse(source)
     lines = source.splitlines()
     found = []
-    for node, parent in _walk(tree):
+    for node, parent, stmt in _walk(tree):
         for replacement, operator in _mutations_of(node, parent):
             target = node
             if isinstance(replacement, tuple):  # the mutation replaces a child (the condition)
@@ -234,6 +237,7 @@ def mutants_of(path: str, source: str) -> list[Mutant]:
                     target.end_col_offset,
                     replacement,
                     operator,
+                    stmt.lineno if stmt is not None else target.lineno,
                 )
             )
     return [m for m in found if _compiles(m.apply(source))]

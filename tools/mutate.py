@@ -204,6 +204,8 @@ def try_mutant(m: Mutant, cov, workdir, cache, confirm=False, max_seconds=None):
     contexts = set()
     for n in range(m.line, m.end_line + 1):
         contexts.update(lines.get(str(n), ()))
+    if not contexts:  # e.g. a default in a multi-line ``def``: coverage reports the def line
+        contexts.update(lines.get(str(m.stmt_line), ()))
     seconds = cov["seconds"]
     if max_seconds:  # leave out the slowest tests (see --max-test-seconds)
         seconds = {t: s for t, s in seconds.items() if s <= max_seconds}
