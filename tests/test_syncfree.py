@@ -239,3 +239,35 @@ def test_learning_rate_zero_is_valid_and_negative_is_not(cls):
     assert cls(p, lr=0.0).defaults["lr"] == 0.0
     with pytest.raises(ValueError, match="Invalid learning rate"):
         cls(p, lr=-1e-3)
+
+
+@pytest.mark.parametrize(
+    "cls, ref_cls, missing",
+    [
+        (syncfree.AdamW, torch.optim.AdamW, ("decoupled_weight_decay", "maximize", "amsgrad")),
+        (syncfree.SGD, torch.optim.SGD, ("maximize", "nesterov", "foreach", "fused")),
+    ],
+    ids=["AdamW", "SGD"],
+)
+def test_loads_a_state_dict_from_an_older_optimizer(cls, ref_cls, missing):
+    """A checkpoint whose param groups predate some options (torch_xla's syncfree optimizers,
+    older torch) loads, and the optimizer then keeps its own defaults for them: AdamW still
+    decouples weight decay, SGD does not maximize."""
+    dev = torchacc.device()
+    kw = dict(lr=0.1, weight_decay=0.2)
+    p = torch.nn.Parameter(torch.ones(3).to(dev))
+    ref = torch.nn.Parameter(torch.ones(3))
+    old = cls([torch.nn.Parameter(torch.ones(3))], **kw).state_dict()
+    for group in old["param_groups"]:
+        for key in missing:
+            group.pop(key)
+    opt = cls([p], **kw)
+    opt.load_state_dict(old)
+    ref_opt = ref_cls([ref], **kw)
+    for step in range(2):
+        g = torch.tensor([0.5, -1.0, 2.0]) * (step + 1)
+        p.grad, ref.grad = g.to(dev), g.clone()
+        opt.step()
+        ref_opt.step()
+    torchacc.sync()
+    torch.testing.assert_close(p.detach().cpu(), ref.detach())
