@@ -53,6 +53,11 @@ def main(out: str, selection: list[str]) -> int:
     with open(rc_file, "w") as f:
         f.write(_RC.format(source=os.path.join(root, "torchacc"), data=data_dir))
     os.environ["COVERAGE_PROCESS_START"] = rc_file
+    # torch runs a device's backward in a thread it starts in C++, which coverage cannot trace:
+    # run backward on the calling thread so backward formulas show up in the map
+    import torch
+
+    torch.autograd.set_multithreading_enabled(False)
     cov = coverage.Coverage(config_file=rc_file)
     plugin = _PerTest(cov)
     cov.start()
