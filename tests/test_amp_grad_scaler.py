@@ -104,6 +104,14 @@ def test_constructor_forms():
     )
     assert GradScaler(device=torchacc.device(), init_scale=4.0)._init_scale == 4.0
     assert not GradScaler(enabled=False).is_enabled()
+    # torch's positional form: the device first, then the same settings as torch's GradScaler
+    ours = GradScaler("torchacc", 256.0, 4.0, 0.125, 5)
+    ref = torch.amp.GradScaler("cpu", 256.0, 4.0, 0.125, 5)
+    assert ours._device == "torchacc"
+    for get in ("get_scale", "get_growth_factor", "get_backoff_factor", "get_growth_interval"):
+        assert getattr(ours, get)() == getattr(ref, get)(), get
+    with pytest.raises(TypeError, match="at most 5 positional"):
+        GradScaler("torchacc", 1.0, 2.0, 0.5, 10, True, 7)
 
 
 class _Net(nn.Module):

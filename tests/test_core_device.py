@@ -366,3 +366,48 @@ def test_torchacc_device_bad_values_name_the_variable(monkeypatch, fresh_device_
         monkeypatch.setenv("TORCHACC_DEVICE", value)
         with pytest.raises(RuntimeError, match=f"TORCHACC_DEVICE='{value}' asks for a gpu device"):
             fresh_device_choice.jax_device()
+
+
+def test_gc_collects_once_at_the_freeze_and_every_refreeze_steps_after(monkeypatch):
+    """Note [Garbage collection]: the first cached sync runs one full collection (garbage cycles
+    alive then are freed, not frozen) and freezes; later syncs run none until the
+    ``GC_REFREEZE_EVERY``-th, which collects and freezes again."""
+    import gc
+    import weakref
+
+    from torchacc.engine import execute
+
+    class Cycle:
+        pass
+
+    w = torch.ones(4).to(DEV)
+    w.add_(1.0)
+    torchacc.sync()  # compiles; the same step again is an in-memory cache hit
+    monkeypatch.setattr(execute, "_gc_frozen", [False])
+    monkeypatch.setattr(execute, "_syncs_since_freeze", [0])
+    monkeypatch.setattr(execute, "GC_REFREEZE_EVERY", 3)
+    full = []
+
+    def on_gc(phase, info):
+        if phase == "start" and info["generation"] == 2:
+            full.append(1)
+
+    gc.disable()  # only torchacc's own collections happen below
+    gc.callbacks.append(on_gc)
+    try:
+        cycle = Cycle()
+        cycle.me = cycle
+        probe = weakref.ref(cycle)
+        del cycle
+        w.add_(1.0)
+        torchacc.sync()
+        assert probe() is None, "the freeze kept a garbage cycle alive"
+        assert len(full) == 1
+        for _ in range(6):
+            w.add_(1.0)
+            torchacc.sync()
+        assert len(full) == 3, f"{len(full)} full collections in 7 syncs (want 1 + 2 re-freezes)"
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+    assert w.cpu().tolist() == [9.0] * 4

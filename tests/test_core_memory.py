@@ -225,3 +225,37 @@ def test_sync_returns_at_once_and_waiting_waits(wait):
     WAITS[wait]()  # nothing new is pending: this waits for the step already launched
     assert not _busy(), f"{wait} returned while buffers {_busy()} were still being computed"
     assert torch.isfinite(x.cpu()).all()
+
+
+def _extremes(dtype):
+    """The values a dtype's edge cases live at (its bit patterns are compared, so NaN and -0.0
+    count too)."""
+    if dtype.is_floating_point:
+        fi = torch.finfo(dtype)
+        return torch.tensor(
+            [fi.min, fi.max, -0.0, float("inf"), float("nan"), fi.tiny], dtype=dtype
+        )
+    if dtype == torch.bool:
+        return torch.tensor([True, False])
+    if dtype.is_complex:
+        return torch.tensor([1 + 2j, complex(-0.0, float("inf"))], dtype=dtype)
+    ii = torch.iinfo(dtype)
+    return torch.tensor([ii.min, ii.max, 0, 1], dtype=dtype)
+
+
+ROUND_TRIP_DTYPES = [
+    torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+    torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", ROUND_TRIP_DTYPES, ids=str)
+def test_host_device_round_trip_is_bit_exact(dtype):
+    """Every dtype's extremes come back from the device with the same dtype and bits (uint32
+    and bfloat16 have no direct numpy view in torch; they travel through an integer view)."""
+    host = _extremes(dtype)
+    back = host.to(DEV).cpu()
+    assert back.dtype == dtype
+    raw = (lambda t: t) if dtype == torch.bool else (lambda t: t.view(torch.uint8))
+    assert torch.equal(raw(back), raw(host)), (host, back)

@@ -20,3 +20,31 @@ def test_short_report_lists_fallback_counters():
     for name in fallbacks:
         assert f"Counter: {name}: {met.counter_value(name)}" in report
     assert "Counter: aten::" not in met.short_metrics_report(["MarkStep"])  # explicit names only
+
+
+def test_step_timings_measure_what_the_readme_says():
+    """TraceTime is the host time between syncs, SyncTime a sync's own time, ExecuteTime the
+    launch of each program run inside it (README, "Metrics"): one sample each, real durations."""
+    import time
+
+    met.clear_all()
+    x = torch.ones(4, device=torchacc.device())
+    torchacc.sync()
+    spans = []
+    for _ in range(3):
+        time.sleep(0.05)  # "tracing": host time between two syncs
+        x = x * 2 + 1
+        start = time.perf_counter()
+        torchacc.sync()
+        spans.append(time.perf_counter() - start)
+    assert x.cpu().tolist() == [15.0] * 4
+    assert met.counter_value("MarkStep") == 4
+    # torchacc.metrics gives seconds (the torch_xla view above gives nanoseconds)
+    n, _, trace = torchacc.metrics.metric_data("TraceTime")
+    assert n == 4 and all(t >= 0.05 for t in trace[1:]), trace  # [0]: since an earlier sync
+    n, _, syncs = torchacc.metrics.metric_data("SyncTime")
+    assert n == 4 and all(0 < s <= w for s, w in zip(syncs[1:], spans)), (syncs, spans)
+    n, _, execs = torchacc.metrics.metric_data("ExecuteTime")
+    assert n == 4 and all(0 < e <= s for e, s in zip(execs, syncs)), (execs, syncs)
+    n, total_ns, _ = met.metric_data("ExecuteTime")
+    assert n == 4 and abs(total_ns - 1e9 * sum(execs)) < 1e3

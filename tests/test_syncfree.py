@@ -192,3 +192,82 @@ def test_options_are_validated():
     with pytest.raises(ValueError):
         syncfree.AdamW(p, fused=True)
     assert syncfree.AdamW(p).defaults["weight_decay"] == 1e-2
+
+
+@pytest.mark.parametrize("cls", [syncfree.SGD, syncfree.Adam, syncfree.AdamW])
+def test_host_found_inf_zero_steps_and_one_skips(cls):
+    """found_inf as a Python number (the host already knows): 0.0 updates, 1.0 does not."""
+    dev = torchacc.device()
+    p = torch.nn.Parameter(torch.ones(3).to(dev))
+    opt = cls([p], lr=0.1)
+    p.grad = torch.full((3,), 0.5).to(dev)
+    opt.step(found_inf=0.0)
+    torchacc.sync()
+    stepped = p.detach().cpu().clone()
+    assert (stepped < 1.0).all(), stepped
+    opt.step(found_inf=1.0)
+    torchacc.sync()
+    assert torch.equal(p.detach().cpu(), stepped)
+
+
+# dampening with momentum keeps SGD off the fused path (Note [Fused optimizer steps])
+@pytest.mark.parametrize("kw", [dict(momentum=0.5), dict(momentum=0.5, dampening=0.1)])
+def test_tensor_learning_rate_matches_torch(kw):
+    """A 1-element tensor lr on the device (an LR scheduler's state kept on the device) gives
+    torch's update, fused or not; a multi-element one is refused as torch refuses it."""
+    cls, ref_cls = syncfree.SGD, torch.optim.SGD
+    dev = torchacc.device()
+    p = torch.nn.Parameter(torch.ones(3).to(dev))
+    ref = torch.nn.Parameter(torch.ones(3))
+    opt = cls([p], lr=torch.tensor(0.25).to(dev), **kw)
+    ref_opt = ref_cls([ref], lr=torch.tensor(0.25), **kw)
+    for step in range(3):
+        g = torch.tensor([0.5, -1.0, 2.0]) * (step + 1)
+        p.grad, ref.grad = g.to(dev), g.clone()
+        opt.step()
+        ref_opt.step()
+    torchacc.sync()
+    torch.testing.assert_close(p.detach().cpu(), ref.detach())
+    with pytest.raises(ValueError, match="Tensor lr must be 1-element"):
+        cls([torch.nn.Parameter(torch.zeros(2))], lr=torch.tensor([0.1, 0.2]))
+
+
+@pytest.mark.parametrize("cls", [syncfree.SGD, syncfree.Adam, syncfree.AdamW])
+def test_learning_rate_zero_is_valid_and_negative_is_not(cls):
+    """The boundary torch draws: lr=0 is allowed (warm-up schedules start there), lr<0 is not."""
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    assert cls(p, lr=0.0).defaults["lr"] == 0.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        cls(p, lr=-1e-3)
+
+
+@pytest.mark.parametrize(
+    "cls, ref_cls, missing",
+    [
+        (syncfree.AdamW, torch.optim.AdamW, ("decoupled_weight_decay", "maximize", "amsgrad")),
+        (syncfree.SGD, torch.optim.SGD, ("maximize", "nesterov", "foreach", "fused")),
+    ],
+    ids=["AdamW", "SGD"],
+)
+def test_loads_a_state_dict_from_an_older_optimizer(cls, ref_cls, missing):
+    """A checkpoint whose param groups predate some options (torch_xla's syncfree optimizers,
+    older torch) loads, and the optimizer then keeps its own defaults for them: AdamW still
+    decouples weight decay, SGD does not maximize."""
+    dev = torchacc.device()
+    kw = dict(lr=0.1, weight_decay=0.2)
+    p = torch.nn.Parameter(torch.ones(3).to(dev))
+    ref = torch.nn.Parameter(torch.ones(3))
+    old = cls([torch.nn.Parameter(torch.ones(3))], **kw).state_dict()
+    for group in old["param_groups"]:
+        for key in missing:
+            group.pop(key)
+    opt = cls([p], **kw)
+    opt.load_state_dict(old)
+    ref_opt = ref_cls([ref], **kw)
+    for step in range(2):
+        g = torch.tensor([0.5, -1.0, 2.0]) * (step + 1)
+        p.grad, ref.grad = g.to(dev), g.clone()
+        opt.step()
+        ref_opt.step()
+    torchacc.sync()
+    torch.testing.assert_close(p.detach().cpu(), ref.detach())
