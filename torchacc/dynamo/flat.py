@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from torchacc import metrics
-from torchacc.dynamo import lower
+from torchacc.dynamo import lower, spmd
 
 # Note [Flat step buffers]
 # Calling a program costs about a microsecond per array argument, and every output handed back to
@@ -110,6 +110,7 @@ class _FlatRunner:
                 grad_flats.append(_concat(parts))
             return user, new_flats, grad_flats
 
+        self.whole = whole
         self.fn = jax.jit(whole)
         self.exe = None
 
@@ -125,7 +126,10 @@ class _FlatRunner:
         exe = self.exe
         if exe is None:
             start = time.perf_counter()
-            exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
+            if self.piece.collective:  # Note [Multi-process programs]
+                exe = self.exe = spmd.compile(self.whole, key, flats, args, lrs)
+            else:
+                exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
             metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
             metrics.counter_inc("DynamoCompile")
         if lower.launch_hook is not None:
