@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 
 import jax
@@ -11,7 +12,10 @@ import numpy as np
 import torch
 
 from torchacc import metrics
-from torchacc.dynamo import lower, spmd
+from torchacc.dynamo import bridge, lower, spmd
+
+_DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
 
 # Note [Flat step buffers]
 # Calling a program costs about a microsecond per array argument, and every output handed back to
@@ -113,15 +117,35 @@ class _FlatRunner:
         self.whole = whole
         self.fn = jax.jit(whole)
         self.exe = None
+        self.grads_after = None
+        n_lr = len(world.lrs())
+        self.lr_host = torch.zeros(n_lr, dtype=torch.float64) if not low.cuda else None
+        self.lr_np = self.lr_host.numpy() if self.lr_host is not None else None
+        self.lr_last, self.lr_array = None, None
 
     def valid(self, world):
-        return [t.data_ptr() for t in world.tensors] == self.ptrs
+        """Every state tensor is still the view of the flat buffer it was made (nobody assigned
+        its ``.data``, e.g. ``module.to()``); one C-level pass."""
+        return list(map(_DATA_PTR, world.tensors)) == self.ptrs
 
-    def run(self, world, leaves):
+    def _lr_input(self, world):
+        """The learning rates as the program's float64 input. CPU: written into a host buffer
+        the program reads zero-copy (Note [Zero-copy hand-off]; each call waits for its program,
+        so the next write never races a read); else put on the device when they change."""
+        lrs = world.lrs()
+        if self.lr_host is not None:
+            self.lr_np[:] = lrs
+            return bridge.to_jax_cpu(self.lr_host)
+        if lrs != self.lr_last:
+            self.lr_last = lrs
+            self.lr_array = jax.device_put(np.asarray(lrs, dtype=np.float64), self.device)
+        return self.lr_array
+
+    def run(self, world, leaves, grads):
         low, device = self.low, self.device
         flats = [lower._to_jax(f, device) for f in self.flat_tensors]
         args = [lower._to_jax(leaves[i], device) for i in self.arg_pos]
-        lrs = jax.device_put(np.asarray(world.lrs(), dtype=np.float64), device)
+        lrs = self._lr_input(world)
         key = self.piece.new_key()
         exe = self.exe
         if exe is None:
@@ -145,6 +169,13 @@ class _FlatRunner:
                 self.flat_tensors[gi].copy_(conv(new, cuda))
             for flat, new in zip(self.grad_flats, grad_flats):
                 flat.copy_(conv(new, cuda))
+        if list(map(id, grads)) != self.grads_after:  # the .grad objects the last run left
+            self._set_grads(world)
+        return [conv(u, cuda) for u in user]
+
+    def _set_grads(self, world):
+        """Point the parameters' ``.grad`` at the flat gradient views (None where the step
+        produces no gradient); steady steps find them there and skip this."""
         for p, v in zip(self.grad_params, self.grad_views):
             if p.grad is not v:
                 p.grad = v
@@ -153,7 +184,7 @@ class _FlatRunner:
             for k, p in enumerate(params):
                 if k not in self.grad_out and p.grad is not None:
                     p.grad = None
-        return [conv(u, cuda) for u in user]
+        self.grads_after = list(map(id, map(_GRAD, params)))  # views stay alive: ids are safe
 
 
 def _concat(parts, fan_in=16):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 import sys
 import time
 from collections import defaultdict
@@ -153,24 +154,31 @@ class _World:
             tuple(number(t) for t in scaler.state_tensors(s, device)) for s in scalers
         ]
 
-    def guard_key(self, leaves):
+    def guard_key(self, leaves, grads):
+        """Note [What a compiled step is keyed on]; ``grads``: the parameters' ``.grad`` now.
+        On the steady path (every call): C-level maps, no per-parameter Python."""
         parts = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+                parts.append((x.shape, x.dtype, x.device, x.requires_grad))
             else:
                 parts.append(x if _hashable(x) else ("obj", type(x)))
-        grads = tuple([p.grad is not None for p in self.params])
         hyper = tuple(
             tuple((k, _freeze(v)) for k, v in g.items() if k not in ("params", "lr"))
             for o in self.opts
             for g in o.param_groups
         )
-        training = tuple([m.training for m in self.modules])
-        return tuple(parts), grads, hyper, training, scaler.guard(self.scalers)
+        training = tuple(map(_TRAINING, self.modules))
+        has_grad = tuple(map(_NOT_NONE, grads))
+        return tuple(parts), has_grad, hyper, training, scaler.guard(self.scalers)
 
     def lrs(self):
         return [float(g["lr"]) for o in self.opts for g in o.param_groups]
+
+
+_GRAD = operator.attrgetter("grad")
+_TRAINING = operator.attrgetter("training")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 def _hashable(x):
@@ -240,22 +248,31 @@ class CompiledStep:
         self._world = None
         self._programs = {}
         self._last_key = None
+        self._specs = {}  # number of positional tensor arguments -> their pytree spec
 
     def __call__(self, *args, **kwargs):
         if self._eager_left > 0:
             self._eager_left -= 1
             return self.fn(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all(
+            [isinstance(a, torch.Tensor) for a in args]
+        ):  # the common case, without torch's pytree
+            leaves, spec = list(args), self._specs.get(len(args))
+            if spec is None:
+                spec = self._specs[len(args)] = pytree.tree_flatten((args, kwargs))[1]
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         if self._world is None:
             found = _discover(self.fn, leaves, self._models, self._optimizers, self._scalers)
             self._world = _World(*found)
         world = self._world
-        key = (world.guard_key(leaves), spec)
+        grads = list(map(_GRAD, world.params))
+        key = (world.guard_key(leaves, grads), spec)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._new_program(key, leaves, spec)
         metrics.counter_inc("StepExecute")
-        return prog.run(world, leaves)
+        return prog.run(world, leaves, grads)
 
     def _new_program(self, key, leaves, spec):
         if self._programs:
@@ -383,15 +400,18 @@ class _StepProgram:
         self.lowered = lower.Lowered(gm, name="step")
         out_spec, is_tensor, has_grad = self.out_info
         self.n_user = sum(is_tensor)
+        self.single_output = out_spec.is_leaf() and is_tensor == [True]
         self.grad_out = [k for k, h in enumerate(has_grad) if h]
         self.flat = _FlatRunner.build(self, world, n_state, n_grad, n_args)
 
-    def run(self, world, leaves):
+    def run(self, world, leaves, grads):
         if self.flat is not None and self.flat.valid(world):
-            outs = self.flat.run(world, leaves)
+            outs = self.flat.run(world, leaves, grads)
         else:
             outs = self._run_per_tensor(world, leaves)
         out_spec, is_tensor, _ = self.out_info
+        if self.single_output:
+            return outs[0]
         user, others = iter(outs), iter(self.consts)
         leaves_out = [next(user) if t else next(others) for t in is_tensor]
         return pytree.tree_unflatten(leaves_out, out_spec)
