@@ -169,3 +169,24 @@ def test_torchacc_compile_is_compile_step_and_import_stays_light():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_state_tensor_repointed_with_data_keeps_training():
+    """``p.data = ...`` after tracing (what ``module.to()`` does) leaves the flat buffers: the
+    step notices (data pointers) and keeps updating the user's tensor, still one trace."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    batches = batches_for((6, 8), lambda g: torch.randn(6, 4, generator=g), 6, 4)
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    compiled = torchacc.dynamo.compile_step(make_step(model, opts[0], F.mse_loss))
+    eager = make_step(ref, opts[1], F.mse_loss)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == 3:
+            for m in (model, ref):
+                w = next(m.parameters())
+                w.data = w.data.clone()
+        losses.append((compiled(x, y).item(), eager(x, y).item()))
+    assert_parity(model, ref, losses)
+    assert count("StepTrace") == 1 and count("StepRecompile") == 0

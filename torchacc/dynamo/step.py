@@ -17,7 +17,11 @@ compiles once more, counted as ``StepRecompile``; ``TORCHACC_DEBUG=1`` prints wh
 changed): the shapes/dtypes/devices of the tensor arguments and the values of non-tensor
 arguments; which parameters have a ``.grad`` when the step starts; every other param-group
 hyper-parameter (betas, momentum, weight decay, ...: OneCycleLR's ``cycle_momentum`` recompiles
-every step; keep it off); each module's ``training`` flag; the number of param groups.
+every step; keep it off); each module's ``training`` flag; the number of param groups; each
+GradScaler's settings (Note [GradScaler in a compiled step] in scaler.py). The steady path reads
+every parameter's ``.grad`` and every state tensor's ``data_ptr`` once per call, in C-level
+``map`` passes (no per-parameter Python): a tensor re-pointed with ``.data =`` runs the step
+per tensor instead of through the flat buffers (Note [Flat step buffers]).
 Not detected: adding parameters to a module, or replacing a tensor attribute with a new object,
 after the step was traced (call ``.reset()`` on the compiled step).
 
