@@ -29,10 +29,10 @@ def count(name):
     return metrics.counter_value(name) or 0
 
 
-def make_step(model, opt, scaler):
+def make_step(model, opt, scaler, device):
     def step(x, y):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
+        with torch.autocast(device, dtype=torch.float16):
             loss = F.mse_loss(model(x).float(), y)
         scaler.scale(loss).backward()
         scaler.step(opt)
@@ -42,30 +42,32 @@ def make_step(model, opt, scaler):
     return step
 
 
-def batches(n):
+def batches(n, device):
     g = torch.Generator().manual_seed(5)
     out = [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(n)]
     out[OVERFLOW][0][0, 0] = 1e30  # inf in fp16: NaN loss, inf/NaN gradients
-    return out
+    return [(x.to(device), y.to(device)) for x, y in out]
 
 
-def new_scaler(cls):
+def new_scaler(cls, device):
     # growth every 2 good steps, so the run grows, backs off on the overflow and grows again
-    return cls("cpu", init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=2)
+    return cls(
+        device, init_scale=2.0**10, growth_factor=2.0, backoff_factor=0.25, growth_interval=2
+    )
 
 
-def train(scaler_cls, n=7):
+def train(scaler_cls, device="cpu", n=7):
     torch.manual_seed(0)
-    model = models.MLP()
+    model = models.MLP().to(device)
     ref = copy.deepcopy(model)
     runs = []
     for m in (model, ref):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1)
-        scaler = new_scaler(scaler_cls)
-        runs.append((make_step(m, opt, scaler), opt, scaler))
+        scaler = new_scaler(scaler_cls, device)
+        runs.append((make_step(m, opt, scaler, device), opt, scaler))
     compiled = torchacc.dynamo.compile_step(runs[0][0])
     rows = []
-    for x, y in batches(n):
+    for x, y in batches(n, device):
         row = []
         for step, opt, scaler in ((compiled,) + runs[0][1:], runs[1]):
             loss = step(x, y)
@@ -87,7 +89,24 @@ def _torchacc_scaler(*args, **kwargs):
     "scaler_cls", [torch.amp.GradScaler, _torchacc_scaler], ids=["torch.amp", "torchacc.amp"]
 )
 def test_fp16_grad_scaler_matches_eager_with_an_overflow_step(scaler_cls):
-    compiled, model, ref, rows = train(scaler_cls)
+    check(*train(scaler_cls))
+
+
+@pytest.mark.gpu
+def test_fp16_grad_scaler_on_cuda_matches_eager():
+    """The same on CUDA tensors (zero-copy to XLA:GPU through DLPack)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    import jax
+
+    try:
+        jax.devices("gpu")
+    except RuntimeError:
+        pytest.skip("JAX sees no GPU")
+    check(*train(torch.amp.GradScaler, "cuda"))
+
+
+def check(compiled, model, ref, rows):
     scales = []
     for i, (c, e) in enumerate(rows):
         # loss (NaN on the overflow step), scale, growth tracker, AdamW's step counter
