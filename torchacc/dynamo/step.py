@@ -258,9 +258,7 @@ class CompiledStep:
         if self._eager_left > 0:
             self._eager_left -= 1
             return self.fn(*args, **kwargs)
-        if not kwargs and all(
-            [isinstance(a, torch.Tensor) for a in args]
-        ):  # the common case, without torch's pytree
+        if not kwargs and all([isinstance(a, torch.Tensor) for a in args]):  # without pytree
             leaves, spec = list(args), self._specs.get(len(args))
             if spec is None:
                 spec = self._specs[len(args)] = pytree.tree_flatten((args, kwargs))[1]
