@@ -190,3 +190,28 @@ def test_state_tensor_repointed_with_data_keeps_training():
         losses.append((compiled(x, y).item(), eager(x, y).item()))
     assert_parity(model, ref, losses)
     assert count("StepTrace") == 1 and count("StepRecompile") == 0
+
+
+def test_cpu_write_back_adopts_the_program_outputs():
+    """Note [Adopting output buffers]: no copy per step; the flat buffer takes over the output's
+    memory, its views (parameters, optimizer state, .grad) follow, and that output is the next
+    call's zero-copy input."""
+    from torchacc.dynamo import bridge
+
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torchacc.dynamo.compile_step(make_step(model, opt, F.mse_loss))
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    for _ in range(3):
+        step(x, y)
+    (prog,) = step._programs.values()
+    flat = prog.flat.flat_tensors[0]
+    w = next(model.parameters())
+    before, w_before = flat.data_ptr(), w.detach().clone()
+    step(x, y)
+    assert flat.data_ptr() != before  # adopted, not copied into
+    assert w.data_ptr() - flat.data_ptr() == w.storage_offset() * w.element_size()
+    assert not torch.equal(w, w_before)  # the parameter (a view) sees the update
+    assert bridge._views[id(flat)][2].unsafe_buffer_pointer() == flat.data_ptr()
+    assert prog.flat.valid(step._world)

@@ -101,6 +101,13 @@ def to_jax_cpu(t):
     return arr
 
 
+def remember(t, arr):
+    """Record ``arr`` as the zero-copy view of CPU tensor ``t``, whose memory ``arr``'s buffer now
+    is (Note [Adopting output buffers] in flat.py)."""
+    key = id(t)
+    _views[key] = (weakref.ref(t, functools.partial(_forget, key)), t.data_ptr(), arr)
+
+
 def to_jax_cuda(t, device):
     d = t.detach()
     if not d.is_contiguous():
