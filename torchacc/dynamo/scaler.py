@@ -67,7 +67,10 @@ def guard(scalers):
 def swapped(scalers, tensors, index):
     """Point each scaler at the traced tensors ``tensors[index[k]]`` and make its optimizer step
     sync-free for the trace (Note [GradScaler in a compiled step])."""
-    saved = [(s, s._scale, s._growth_tracker, s._per_optimizer_states) for s in scalers]
+    saved = [
+        (s, s._scale, s._growth_tracker, s._per_optimizer_states, s.__dict__.get("_maybe_opt_step"))
+        for s in scalers
+    ]
     for s, (i, j) in zip(scalers, index):
         s._scale, s._growth_tracker = tensors[i], tensors[j]
         s._per_optimizer_states = defaultdict(torch.amp.grad_scaler._refresh_per_optimizer_state)
@@ -75,9 +78,11 @@ def swapped(scalers, tensors, index):
     try:
         yield
     finally:
-        for s, scale, tracker, states in saved:
+        for s, scale, tracker, states, own_step in saved:
             s._scale, s._growth_tracker, s._per_optimizer_states = scale, tracker, states
             del s._maybe_opt_step
+            if own_step is not None:
+                s._maybe_opt_step = own_step
 
 
 def _syncfree_opt_step(optimizer, optimizer_state, *args, **kwargs):
