@@ -161,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="lazy",
         help="with --compiler-opt: 'lazy' records every step on the lazy XLA device; 'dynamo' "
         "keeps tensors on the eager device and runs the step through torchacc.dynamo.compile_step "
-        "(traced once, one program; one process, O0 or bf16 only)",
+        "(traced once, one program with the gradient all-reduce and GradScaler)",
     )
     g.add_argument(
         "--kernel-opt",
