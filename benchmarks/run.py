@@ -211,12 +211,25 @@ def compiler_stats(metrics: dict | None, steady_steps: int) -> dict:
             # The last steady_steps mark_steps are the steady-state steps.
             out["trace_ms_per_step"] = _ms(_median(trace[-steady_steps:]))
             out["sync_ms_per_step"] = _ms(_median(sync[-steady_steps:]))
+    if acc and _trace_once(acc.get("counters", {}), out):
+        return out  # torchacc-dynamo: torchacc.metrics has its own compile counters
     dyn = metrics.get("dynamo")
     if dyn:
         out["compiles"] = dyn.get("stats", {}).get("unique_graphs")
         out["recompiles"] = sum(dyn.get("recompiles", {}).values())
         out["graph_breaks"] = sum(dyn.get("graph_break", {}).values())
     return out
+
+
+def _trace_once(c: dict, out: dict) -> bool:
+    """torchacc.dynamo's counters (compile_step or the torch.compile backend): XLA compiles,
+    recompiles after a guard change, whole-step traces. False when the run did not use it."""
+    if not (c.get("StepTrace") or c.get("DynamoGraph")):
+        return False
+    out["compiles"] = c.get("DynamoCompile") or 0
+    out["recompiles"] = (c.get("StepRecompile") or 0) + (c.get("DynamoRecompile") or 0)
+    out["step_traces"] = c.get("StepTrace") or 0
+    return True
 
 
 def _ms(s):
@@ -340,6 +353,7 @@ def summarize(rows: list[dict], models, modes, labels: dict) -> list[dict]:
                 for key in (
                     "compiles",
                     "recompiles",
+                    "step_traces",
                     "graph_breaks",
                     "trace_ms_per_step",
                     "sync_ms_per_step",

@@ -1,4 +1,4 @@
-"""benchmarks/run.py --quick, reduced: one model, eager + torchacc, one repeat."""
+"""benchmarks/run.py --quick, reduced: one model, eager + torchacc + torchacc-dynamo, one repeat."""
 
 import json
 import os
@@ -13,7 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def _bench(cwd, *flags):
     cmd = [sys.executable, os.path.join(ROOT, "benchmarks", "run.py"), *flags]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=240)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
 @pytest.mark.slow
@@ -23,11 +23,11 @@ def test_benchmarks_quick(tmp_path):
         tmp_path,
         "--quick",
         "--models", "gpt2",
-        "--modes", "eager,torchacc",
+        "--modes", "eager,torchacc,torchacc-dynamo",
         "--repeats", "1",
         "--steps", "4",
-        "--warmup", "1",
-        "--timeout", "100",
+        "--warmup", "2",
+        "--timeout", "150",
         "--out", "bench",
     )  # fmt: skip
     log = proc.stdout + proc.stderr
@@ -38,7 +38,7 @@ def test_benchmarks_quick(tmp_path):
 
     data = json.loads((out / "results.json").read_text())
     rows = {s["mode"]: s for s in data["summary"]}
-    assert set(rows) == {"eager", "torchacc"}
+    assert set(rows) == {"eager", "torchacc", "torchacc-dynamo"}
     for mode, row in rows.items():
         assert row["ok"] == 1 and not row["errors"], (mode, row)
         assert row["samples_per_sec"] > 0 and row["step_time_ms"] > 0
@@ -53,6 +53,10 @@ def test_benchmarks_quick(tmp_path):
     assert eager["speedup_vs_eager"] == pytest.approx(1.0)
     assert acc.get("compiles", 0) >= 1  # from torchacc.metrics
     assert acc.get("trace_ms_per_step") is not None
+    # compile_step counts its own compiles in torchacc.metrics: the whole step is one program,
+    # traced once (step 1 eager, step 2 traces), never recompiled
+    dyn = rows["torchacc-dynamo"]
+    assert (dyn["compiles"], dyn["recompiles"], dyn["step_traces"]) == (1, 0, 1), dyn
 
     # The busy-box verdict follows from the recorded load samples (one repeat: no spread).
     meta = data["meta"]
@@ -63,6 +67,7 @@ def test_benchmarks_quick(tmp_path):
     md = (out / "results.md").read_text()
     assert "| gpt-tiny (batch 8, seq 64) | eager |" in md
     assert "| gpt-tiny (batch 8, seq 64) | torchacc |" in md
+    assert "| gpt-tiny (batch 8, seq 64) | torchacc-dynamo |" in md and "| 1 / 0 |" in md
     assert "gpt2" not in md.split("|", 1)[1]  # the quick run is never labelled gpt2
     assert ("WARNING: busy box" in md) == meta["busy"]
 

@@ -75,8 +75,10 @@ def test_errors_name_the_op():
         C.all_reduce("avg", dev(torch.ones(2, dtype=torch.int64)))
     with pytest.raises(ValueError, match="unknown reduce type"):
         C.all_reduce("median", x)
-    with pytest.raises(TypeError, match="torchacc device"):
-        C.all_reduce("sum", torch.ones(2))
+    with pytest.raises(TypeError, match="torchacc tensors"):
+        C.all_reduce("sum", torch.ones(2, device="meta"))
+    # plain CPU tensors are accepted (torchacc.compile_step steps): one process, local math
+    torch.testing.assert_close(C.all_reduce("sum", torch.ones(2), scale=0.5), torch.full((2,), 0.5))
     C.all_reduce("sum", [x], groups=[[0]])  # the whole (one-process) world is fine
 
 

@@ -169,3 +169,49 @@ def test_torchacc_compile_is_compile_step_and_import_stays_light():
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
     )
     assert out.stdout.split() == ["True", "True"]
+
+
+def test_state_tensor_repointed_with_data_keeps_training():
+    """``p.data = ...`` after tracing (what ``module.to()`` does) leaves the flat buffers: the
+    step notices (data pointers) and keeps updating the user's tensor, still one trace."""
+    torch.manual_seed(0)
+    model = models.MLP()
+    batches = batches_for((6, 8), lambda g: torch.randn(6, 4, generator=g), 6, 4)
+    ref = copy.deepcopy(model)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, ref)]
+    compiled = torchacc.dynamo.compile_step(make_step(model, opts[0], F.mse_loss))
+    eager = make_step(ref, opts[1], F.mse_loss)
+    losses = []
+    for i, (x, y) in enumerate(batches):
+        if i == 3:
+            for m in (model, ref):
+                w = next(m.parameters())
+                w.data = w.data.clone()
+        losses.append((compiled(x, y).item(), eager(x, y).item()))
+    assert_parity(model, ref, losses)
+    assert count("StepTrace") == 1 and count("StepRecompile") == 0
+
+
+def test_cpu_write_back_adopts_the_program_outputs():
+    """Note [Adopting output buffers]: no copy per step; the flat buffer takes over the output's
+    memory, its views (parameters, optimizer state, .grad) follow, and that output is the next
+    call's zero-copy input."""
+    from torchacc.dynamo import bridge
+
+    torch.manual_seed(0)
+    model = models.MLP()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    step = torchacc.dynamo.compile_step(make_step(model, opt, F.mse_loss))
+    x, y = torch.randn(3, 8), torch.randn(3, 4)
+    for _ in range(3):
+        step(x, y)
+    (prog,) = step._programs.values()
+    flat = prog.flat.flat_tensors[0]
+    w = next(model.parameters())
+    before, w_before = flat.data_ptr(), w.detach().clone()
+    step(x, y)
+    assert flat.data_ptr() != before  # adopted, not copied into
+    assert w.data_ptr() - flat.data_ptr() == w.storage_offset() * w.element_size()
+    assert not torch.equal(w, w_before)  # the parameter (a view) sees the update
+    assert bridge._views[id(flat)][2].unsafe_buffer_pointer() == flat.data_ptr()
+    assert prog.flat.valid(step._world)

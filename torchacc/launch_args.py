@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="lazy",
         help="with --compiler-opt: 'lazy' records every step on the lazy XLA device; 'dynamo' "
         "keeps tensors on the eager device and runs the step through torchacc.dynamo.compile_step "
-        "(traced once, one program; one process, O0 or bf16 only)",
+        "(traced once, one program with the gradient all-reduce and GradScaler)",
     )
     g.add_argument(
         "--kernel-opt",
@@ -305,22 +305,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--compile_mode=dynamo: what torchacc.dynamo.compile_step cannot do yet is refused here."""
+    """--compile_mode=dynamo selects a compiler path: it needs --compiler-opt."""
     if args.compile_mode != "dynamo":
         return
     if not args.compiler_opt:
         parser.error("--compile_mode=dynamo needs --compiler-opt (it selects the compiler path)")
-    nproc = args.nproc_per_node
-    if args.nnodes > 1 or (isinstance(nproc, int) and nproc > 1):
-        parser.error(
-            "--compile_mode=dynamo: more than one process is not supported yet (the compiled "
-            "step has no gradient all-reduce); use --nproc_per_node=1 --nnodes=1"
-        )
-    if args.amp_level == "O1" and args.amp_dtype == "fp16":
-        parser.error(
-            "--compile_mode=dynamo: --amp_dtype=fp16 (GradScaler) is not supported yet; use "
-            "--amp_dtype=bf16 or --amp_level=O0"
-        )
 
 
 def _gpt_block_size(model: str) -> int | None:

@@ -266,9 +266,6 @@ def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | No
     if errors:
         raise _exit_reported(2, f"error: {errors[0]}", rank)
     _ensure_distributed_env()
-    err = _dynamo_unsupported(args)
-    if err:
-        raise _exit_reported(2, f"error: {err}", rank)
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
         os.environ["TORCHACC_KERNEL_OPT"] = "1"
@@ -279,32 +276,17 @@ def _dynamo_mode(args: argparse.Namespace) -> bool:
     return bool(args.compiler_opt) and getattr(args, "compile_mode", "lazy") == "dynamo"
 
 
-def _dynamo_unsupported(args: argparse.Namespace) -> str | None:
-    """What ``--compile_mode=dynamo`` cannot run yet, in one line (the launcher refuses the
-    explicit cases first; this catches what only the worker knows: the world size, the default
-    AMP dtype of this device)."""
-    if not _dynamo_mode(args):
-        return None
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        return (
-            f"--compile_mode=dynamo: {world} processes are not supported yet (the compiled step "
-            "has no gradient all-reduce); run one process"
-        )
-    cuda = torch.cuda.is_available()
-    if resolve_amp_dtype(args, cuda) == torch.float16:
-        return (
-            "--compile_mode=dynamo: fp16 autocast with GradScaler is not supported yet; use "
-            "--amp_dtype=bf16 or --amp_level=O0"
-        )
-    return None
-
-
-def _compiled_step(task: Task, model: nn.Module, optimizer, autocast_cm):
-    """The whole training step (preprocess, forward, loss, backward, optimizer update) as one
-    program through ``torchacc.dynamo.compile_step``; its first call runs eagerly, the second
-    traces and compiles, later ones launch the program. The LR stays a runtime input."""
+def _compiled_step(task: Task, model: nn.Module, optimizer, scaler, autocast_cm, world_size: int):
+    """The whole training step (preprocess, forward, loss, backward, gradient all-reduce,
+    GradScaler, optimizer update) as one program through ``torchacc.dynamo.compile_step``; its
+    first call runs eagerly, the second traces and compiles, later ones launch the program. The
+    LR stays a runtime input; the all-reduce is the recipe's ``xm.all_reduce``, compiled into
+    the step."""
     from torchacc.dynamo import compile_step
+
+    xm = None
+    if world_size > 1:
+        import torchacc.torch_xla.core.xla_model as xm
 
     def train_step(inputs, target):
         if task.preprocess is not None:
@@ -312,11 +294,18 @@ def _compiled_step(task: Task, model: nn.Module, optimizer, autocast_cm):
         with autocast_cm():
             loss = task.loss_fn(model(inputs), target)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+        if xm is not None:
+            xm.all_reduce("sum", xm._fetch_gradients(optimizer), scale=1.0 / world_size)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         return loss.detach()
 
-    return compile_step(train_step, models=[model], optimizers=[optimizer])
+    scalers = [scaler] if scaler is not None else []
+    return compile_step(train_step, models=[model], optimizers=[optimizer], scalers=scalers)
 
 
 def _load_resume(args, task: Task, model: nn.Module, rank: int, logger) -> dict:
@@ -409,7 +398,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         model.to(device)
-        if not dynamo:  # one process (checked in run): no gradients to all-reduce
+        if not dynamo:  # dynamo: the compiled step all-reduces the gradients itself
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True
             )
@@ -444,7 +433,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         return torch.autocast(device.type, dtype=amp_dtype)
 
     compiled_step = (
-        _compiled_step(task, model, optimizer, autocast_context_manager) if dynamo else None
+        _compiled_step(task, model, optimizer, scaler, autocast_context_manager, world_size)
+        if dynamo
+        else None
     )
 
     start_step = 0

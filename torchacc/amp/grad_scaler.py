@@ -23,39 +23,12 @@ import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from torchacc.lazy.device import DEVICE_TYPE, register_backend
+from torchacc.lowering.amp_twins import (  # noqa: F401  (re-exported)
+    non_finite_check_and_unscale_,
+    update_scale_,
+)
 
 _FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
-
-
-def non_finite_check_and_unscale_(grads, found_inf, inv_scale):
-    """Device twin of ``torch._amp_foreach_non_finite_check_and_unscale_``.
-
-    Multiplies every grad by ``inv_scale`` in place and sets ``found_inf`` (float32, 0-dim) to 1.0
-    if any grad holds an inf or NaN; leaves it unchanged otherwise.
-    """
-    if not grads:
-        return
-    finite = [torch.isfinite(g).all() for g in grads]
-    all_finite = finite[0] if len(finite) == 1 else torch.stack(finite).all()
-    found_inf.copy_(torch.where(all_finite, found_inf, torch.ones_like(found_inf)))
-    for g in grads:
-        g.mul_(inv_scale)
-
-
-def update_scale_(scale, growth_tracker, found_inf, growth_factor, backoff_factor, growth_interval):
-    """Device twin of ``torch._amp_update_scale_`` (same arithmetic, no host read)."""
-    found = found_inf > 0
-    successful = growth_tracker + 1
-    grow = successful == growth_interval
-    grown = (scale.double() * growth_factor).float()
-    grown = torch.where(torch.isfinite(grown), grown, scale)
-    backed_off = (scale.double() * backoff_factor).float()
-    new_scale = torch.where(found, backed_off, torch.where(grow, grown, scale))
-    zero = torch.zeros_like(growth_tracker)
-    new_tracker = torch.where(found | grow, zero, successful.to(growth_tracker.dtype))
-    scale.copy_(new_scale)
-    growth_tracker.copy_(new_tracker)
-    return scale
 
 
 def accepts_found_inf(optimizer):

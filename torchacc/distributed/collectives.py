@@ -88,6 +88,18 @@ def _meta_all_to_all(x, split_dim, concat_dim, world):
     return x.new_empty(shape)
 
 
+def _eager_kernel(name):
+    """CPU/CUDA kernel (compile_step's eager first call): the rule as a one-op SPMD program."""
+    op = getattr(ops, name).default
+
+    def kernel(*args):
+        from torchacc.dynamo import spmd
+
+        return spmd.run_eager(op, args)
+
+    return kernel
+
+
 for _name, _fn in (
     ("all_reduce", _meta_all_reduce),
     ("all_gather", _meta_all_gather),
@@ -96,6 +108,8 @@ for _name, _fn in (
     ("all_to_all", _meta_all_to_all),
 ):
     _lib.impl(_name, _fn, "Meta")
+    _lib.impl(_name, _eager_kernel(_name), "CPU")
+    _lib.impl(_name, _eager_kernel(_name), "CUDA")
 
 
 # --------------------------------------------------------------------------------------------
@@ -276,10 +290,14 @@ def check_groups(name, groups):
 
 def _check_tensors(name, tensors):
     for t in tensors:
-        if not isinstance(t, LazyTensor):
+        # torchacc tensors, or CPU/CUDA tensors of a step compiled by torchacc.compile_step
+        if not isinstance(t, LazyTensor) and not (
+            isinstance(t, torch.Tensor) and t.device.type in ("cpu", "cuda")
+        ):
             where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
             raise TypeError(
-                f"torchacc.distributed.{name}: expected tensors on the torchacc device, got {where}"
+                f"torchacc.distributed.{name}: expected torchacc tensors (or CPU/CUDA tensors in "
+                f"a torchacc.compile_step step), got {where}"
             )
 
 

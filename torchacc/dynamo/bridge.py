@@ -32,6 +32,7 @@ from jax._src.lib import _jax
 from torch.utils import dlpack as _torch_dlpack
 
 from torchacc.lowering.dtypes import jdtype
+from torchacc.runtime import processes
 
 _DL_CPU = 1
 _to_dlpack = _torch_dlpack.to_dlpack
@@ -45,15 +46,19 @@ _views: dict = {}
 
 @functools.lru_cache(maxsize=None)
 def cpu_device():
-    return jax.devices("cpu")[0]
+    processes.maybe_initialize()  # join a torchrun job before JAX starts its backends
+    return jax.local_devices(backend="cpu")[0]
 
 
 @functools.lru_cache(maxsize=None)
 def gpu_device(index):
+    processes.maybe_initialize()
     try:
-        devices = jax.devices("gpu")
+        devices = jax.local_devices(backend="gpu")
     except RuntimeError:
         devices = []
+    if processes.is_initialized() and processes.world_size() > 1 and len(devices) == 1:
+        return devices[0]  # one device per process: torch's cuda:LOCAL_RANK is JAX's only one
     if index >= len(devices):
         raise RuntimeError(
             f"torchacc.dynamo: a cuda:{index} tensor reached a compiled graph but JAX sees "
@@ -94,6 +99,13 @@ def to_jax_cpu(t):
     if d.data_ptr() == t.data_ptr() and arr.unsafe_buffer_pointer() == t.data_ptr():
         _views[key] = (weakref.ref(t, functools.partial(_forget, key)), t.data_ptr(), arr)
     return arr
+
+
+def remember(t, arr):
+    """Record ``arr`` as the zero-copy view of CPU tensor ``t``, whose memory ``arr``'s buffer now
+    is (Note [Adopting output buffers] in flat.py)."""
+    key = id(t)
+    _views[key] = (weakref.ref(t, functools.partial(_forget, key)), t.data_ptr(), arr)
 
 
 def to_jax_cuda(t, device):

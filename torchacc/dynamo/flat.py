@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 
 import jax
@@ -11,7 +12,10 @@ import numpy as np
 import torch
 
 from torchacc import metrics
-from torchacc.dynamo import lower
+from torchacc.dynamo import bridge, lower, spmd
+
+_DATA_PTR = torch.Tensor.data_ptr
+_GRAD = operator.attrgetter("grad")
 
 # Note [Flat step buffers]
 # Calling a program costs about a microsecond per array argument, and every output handed back to
@@ -25,6 +29,18 @@ from torchacc.dynamo import lower
 # way into one flat gradient buffer per group, the parameters' ``.grad`` being views of it. Steps
 # whose graph reads incoming gradients (accumulation across calls), or tensors that do not own
 # their whole storage, use the per-tensor path.
+
+# Note [Adopting output buffers]
+# On the CPU the write-back is not a copy: the user's flat buffer *adopts* the program's output
+# buffer. ``UntypedStorage._swap_data_ptr_`` swaps the memory under the flat buffer's storage with
+# that of the output (a torch tensor aliasing the XLA buffer through DLPack), so every view of it
+# -- parameters, optimizer state, ``.grad`` -- now reads the new values, and the output's JAX
+# array is remembered as the flat buffer's zero-copy input for the next call (bridge.remember).
+# A ResNet-50's parameters, AdamW state and gradients are ~400 MB: a memcpy per step saved. The
+# old memory changes owner (the DLPack tensor that held the output) and is kept until the next
+# call has run, so JAX arrays that aliased it (this call's inputs; what ``launch_hook`` saw) stay
+# valid until then. An output whose buffer is also an input's or another output's, or of another
+# size, is copied instead; so is everything on CUDA (the copy is a device memcpy there).
 
 
 class _FlatRunner:
@@ -51,6 +67,12 @@ class _FlatRunner:
         # groups of state tensors by (dtype, device); each tensor -> (group, offset, numel, shape)
         self.groups, self.where, self.flat_tensors = _flatten(tensors)
         self.ptrs = [t.data_ptr() for t in tensors]
+        itemsize = [self.flat_tensors[g].element_size() for g, *_ in self.where]
+        self.ptr_group = np.array([g for g, *_ in self.where], dtype=np.int64)
+        self.ptr_offset = np.array(
+            [off * size for (_, off, *_), size in zip(self.where, itemsize)], dtype=np.int64
+        )
+        self.retired = []  # Note [Adopting output buffers]
         params = world.params
         grad_groups, grad_where = _layout([params[k] for k in prog.grad_out])
         self.grad_flats = [torch.zeros(n, dtype=dt, device=dev) for (dt, dev), n in grad_groups]
@@ -110,22 +132,46 @@ class _FlatRunner:
                 grad_flats.append(_concat(parts))
             return user, new_flats, grad_flats
 
+        self.whole = whole
         self.fn = jax.jit(whole)
         self.exe = None
+        self.grads_after = None
+        n_lr = len(world.lrs())
+        self.lr_host = torch.zeros(n_lr, dtype=torch.float64) if not low.cuda else None
+        self.lr_np = self.lr_host.numpy() if self.lr_host is not None else None
+        self.lr_last, self.lr_array = None, None
 
     def valid(self, world):
-        return [t.data_ptr() for t in world.tensors] == self.ptrs
+        """Every state tensor is still the view of the flat buffer it was made (nobody assigned
+        its ``.data``, e.g. ``module.to()``); one C-level pass."""
+        return list(map(_DATA_PTR, world.tensors)) == self.ptrs
 
-    def run(self, world, leaves):
+    def _lr_input(self, world):
+        """The learning rates as the program's float64 input. CPU: written into a host buffer
+        the program reads zero-copy (Note [Zero-copy hand-off]; each call waits for its program,
+        so the next write never races a read); else put on the device when they change."""
+        lrs = world.lrs()
+        if self.lr_host is not None:
+            self.lr_np[:] = lrs
+            return bridge.to_jax_cpu(self.lr_host)
+        if lrs != self.lr_last:
+            self.lr_last = lrs
+            self.lr_array = jax.device_put(np.asarray(lrs, dtype=np.float64), self.device)
+        return self.lr_array
+
+    def run(self, world, leaves, grads):
         low, device = self.low, self.device
         flats = [lower._to_jax(f, device) for f in self.flat_tensors]
         args = [lower._to_jax(leaves[i], device) for i in self.arg_pos]
-        lrs = jax.device_put(np.asarray(world.lrs(), dtype=np.float64), device)
+        lrs = self._lr_input(world)
         key = self.piece.new_key()
         exe = self.exe
         if exe is None:
             start = time.perf_counter()
-            exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
+            if self.piece.collective:  # Note [Multi-process programs]
+                exe = self.exe = spmd.compile(self.whole, key, flats, args, lrs)
+            else:
+                exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
             metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
             metrics.counter_inc("DynamoCompile")
         if lower.launch_hook is not None:
@@ -136,11 +182,42 @@ class _FlatRunner:
         cuda = low.cuda
         if not cuda:
             jax.block_until_ready((user, new_flats, grad_flats))
+        if cuda:
+            with torch.no_grad():
+                for gi, new in zip(self.mutated_groups, new_flats):
+                    self.flat_tensors[gi].copy_(conv(new, cuda))
+                for flat, new in zip(self.grad_flats, grad_flats):
+                    flat.copy_(conv(new, cuda))
+        else:
+            self._adopt_outputs(flats, user, new_flats, grad_flats)
+        if list(map(id, grads)) != self.grads_after:  # the .grad objects the last run left
+            self._set_grads(world)
+        return [conv(u, cuda) for u in user]
+
+    def _adopt_outputs(self, flats, user, new_flats, grad_flats):
+        """Note [Adopting output buffers]: the flat buffers take over the outputs' memory."""
+        targets = [self.flat_tensors[gi] for gi in self.mutated_groups] + self.grad_flats
+        outs = list(new_flats) + list(grad_flats)
+        ptrs = [a.unsafe_buffer_pointer() for a in outs]
+        taken = {a.unsafe_buffer_pointer() for a in list(flats) + list(user)}
+        retired, self.retired = self.retired, []
         with torch.no_grad():
-            for gi, new in zip(self.mutated_groups, new_flats):
-                self.flat_tensors[gi].copy_(conv(new, cuda))
-            for flat, new in zip(self.grad_flats, grad_flats):
-                flat.copy_(conv(new, cuda))
+            for flat, arr, ptr in zip(targets, outs, ptrs):
+                out = bridge.to_torch_cpu(arr)
+                storage = flat.untyped_storage()
+                if ptr in taken or ptrs.count(ptr) > 1 or not _adoptable(storage, out):
+                    flat.copy_(out)
+                    continue
+                storage._swap_data_ptr_(out.untyped_storage())
+                self.retired.append(out)  # now holds the old memory
+                bridge.remember(flat, arr)
+        bases = np.array([f.data_ptr() for f in self.flat_tensors], dtype=np.int64)
+        self.ptrs = (bases[self.ptr_group] + self.ptr_offset).tolist()
+        del retired  # the memory of two calls ago: nothing aliases it any more
+
+    def _set_grads(self, world):
+        """Point the parameters' ``.grad`` at the flat gradient views (None where the step
+        produces no gradient); steady steps find them there and skip this."""
         for p, v in zip(self.grad_params, self.grad_views):
             if p.grad is not v:
                 p.grad = v
@@ -149,7 +226,15 @@ class _FlatRunner:
             for k, p in enumerate(params):
                 if k not in self.grad_out and p.grad is not None:
                     p.grad = None
-        return [conv(u, cuda) for u in user]
+        self.grads_after = list(map(id, map(_GRAD, params)))  # views stay alive: ids are safe
+
+
+def _adoptable(storage, out):
+    return (
+        hasattr(storage, "_swap_data_ptr_")
+        and out.untyped_storage().nbytes() == storage.nbytes()
+        and out.storage_offset() == 0
+    )
 
 
 def _concat(parts, fan_in=16):

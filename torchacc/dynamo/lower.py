@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from torchacc import metrics
-from torchacc.dynamo import bridge
+from torchacc.dynamo import bridge, spmd
 from torchacc.dynamo.calling import (
     _TRACED_ITEM,
     _eval_python,
@@ -171,6 +171,7 @@ class JaxPiece:
             if n.op == "placeholder" and isinstance(_val(n), (int, torch.SymInt))
         )
         self.n_ops = sum(1 for n in seg.nodes if n.op == "call_function")
+        self.collective = spmd.has_collective(seg.nodes)  # one SPMD program over the mesh
         # symbolic sizes (dynamic shapes): one executable per set of input shapes
         self.dynamic = any(
             isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape)
@@ -212,7 +213,10 @@ class JaxPiece:
                 file=sys.stderr,
             )
         start = time.perf_counter()
-        exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
+        if self.collective:
+            exe = spmd.compile(self.function(statics), key, *arrays)
+        else:
+            exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
         metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
         metrics.counter_inc("DynamoCompile")
         self._exes[statics] = exe

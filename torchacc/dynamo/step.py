@@ -17,7 +17,11 @@ compiles once more, counted as ``StepRecompile``; ``TORCHACC_DEBUG=1`` prints wh
 changed): the shapes/dtypes/devices of the tensor arguments and the values of non-tensor
 arguments; which parameters have a ``.grad`` when the step starts; every other param-group
 hyper-parameter (betas, momentum, weight decay, ...: OneCycleLR's ``cycle_momentum`` recompiles
-every step; keep it off); each module's ``training`` flag; the number of param groups.
+every step; keep it off); each module's ``training`` flag; the number of param groups; each
+GradScaler's settings (Note [GradScaler in a compiled step] in scaler.py). The steady path reads
+every parameter's ``.grad`` and every state tensor's ``data_ptr`` once per call, in C-level
+``map`` passes (no per-parameter Python): a tensor re-pointed with ``.data =`` runs the step
+per tensor instead of through the flat buffers (Note [Flat step buffers]).
 Not detected: adding parameters to a module, or replacing a tensor attribute with a new object,
 after the step was traced (call ``.reset()`` on the compiled step).
 
@@ -31,6 +35,8 @@ such code). Ops without a lowering run eagerly between programs (Note [Fallback 
 from __future__ import annotations
 
 import contextlib
+import functools
+import operator
 import sys
 import time
 from collections import defaultdict
@@ -41,25 +47,26 @@ from torch.nn.utils import stateless
 from torch.utils import _pytree as pytree
 
 from torchacc import metrics
-from torchacc.dynamo import lower
+from torchacc.dynamo import lower, scaler
 from torchacc.dynamo.backend import decompositions
 from torchacc.dynamo.flat import _FlatRunner
 
 
-def compile_step(fn=None, *, models=None, optimizers=None, eager_steps=1):
+def compile_step(fn=None, *, models=None, optimizers=None, scalers=None, eager_steps=1):
     """Compile ``fn`` (a training step) into one program; see the module docstring.
 
-    ``models``/``optimizers``: the modules and optimizers the step uses. Default: found among
-    ``fn``'s arguments, closure and the globals it names. ``eager_steps``: calls run eagerly
-    before tracing (at least 1 for optimizers that create their state lazily)."""
+    ``models``/``optimizers``/``scalers``: the modules, optimizers and ``GradScaler``s the step
+    uses. Default: found among ``fn``'s arguments, closure and the globals it names.
+    ``eager_steps``: calls run eagerly before tracing (at least 1 for optimizers that create
+    their state lazily)."""
     if fn is None:
         return lambda f: compile_step(
-            f, models=models, optimizers=optimizers, eager_steps=eager_steps
+            f, models=models, optimizers=optimizers, scalers=scalers, eager_steps=eager_steps
         )
-    return CompiledStep(fn, models, optimizers, eager_steps)
+    return CompiledStep(fn, models, optimizers, scalers, eager_steps)
 
 
-def _discover(fn, leaves, models, optimizers):
+def _discover(fn, leaves, models, optimizers, scalers):
     found = []
     found.extend(leaves)
     code = getattr(fn, "__code__", None)
@@ -78,7 +85,7 @@ def _discover(fn, leaves, models, optimizers):
         mods = [m for m in mods if not any(m is not o and _contains(o, m) for o in mods)]
     if optimizers is None:
         opts = _unique(x for x in found if isinstance(x, torch.optim.Optimizer))
-    return mods, opts
+    return mods, opts, scaler.find(found if scalers is None else scalers)
 
 
 def _cell_ok(cell):
@@ -105,8 +112,8 @@ def _contains(outer, inner):
 class _World:
     """The tensors a step reads and writes, numbered once: parameters, buffers, optimizer state."""
 
-    def __init__(self, mods, opts):
-        self.mods, self.opts = mods, opts
+    def __init__(self, mods, opts, scalers):
+        self.mods, self.opts, self.scalers = mods, opts, scalers
         self.tensors = []
         index = {}
 
@@ -146,25 +153,36 @@ class _World:
         self.params = [p for p in self.params if isinstance(p, torch.nn.Parameter)]
         self.param_index = [index[id(p)] for p in self.params]
         self.modules = [sub for m in mods for sub in m.modules()]
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.scaler_index = [  # Note [GradScaler in a compiled step]
+            tuple(number(t) for t in scaler.state_tensors(s, device)) for s in scalers
+        ]
 
-    def guard_key(self, leaves):
+    def guard_key(self, leaves, grads):
+        """Note [What a compiled step is keyed on]; ``grads``: the parameters' ``.grad`` now.
+        On the steady path (every call): C-level maps, no per-parameter Python."""
         parts = []
         for x in leaves:
             if isinstance(x, torch.Tensor):
-                parts.append((tuple(x.shape), x.dtype, x.device, x.requires_grad))
+                parts.append((x.shape, x.dtype, x.device, x.requires_grad))
             else:
                 parts.append(x if _hashable(x) else ("obj", type(x)))
-        grads = tuple([p.grad is not None for p in self.params])
         hyper = tuple(
             tuple((k, _freeze(v)) for k, v in g.items() if k not in ("params", "lr"))
             for o in self.opts
             for g in o.param_groups
         )
-        training = tuple([m.training for m in self.modules])
-        return tuple(parts), grads, hyper, training
+        training = tuple(map(_TRAINING, self.modules))
+        has_grad = tuple(map(_NOT_NONE, grads))
+        return tuple(parts), has_grad, hyper, training, scaler.guard(self.scalers)
 
     def lrs(self):
         return [float(g["lr"]) for o in self.opts for g in o.param_groups]
+
+
+_GRAD = operator.attrgetter("grad")
+_TRAINING = operator.attrgetter("training")
+_NOT_NONE = functools.partial(operator.is_not, None)
 
 
 def _hashable(x):
@@ -223,9 +241,9 @@ def _swap_optimizers(world, tensors, lrs):
 class CompiledStep:
     """The callable ``compile_step`` returns."""
 
-    def __init__(self, fn, models, optimizers, eager_steps):
+    def __init__(self, fn, models, optimizers, scalers, eager_steps):
         self.fn = fn
-        self._models, self._optimizers = models, optimizers
+        self._models, self._optimizers, self._scalers = models, optimizers, scalers
         self._eager_left = eager_steps
         self.reset()
 
@@ -234,21 +252,29 @@ class CompiledStep:
         self._world = None
         self._programs = {}
         self._last_key = None
+        self._specs = {}  # number of positional tensor arguments -> their pytree spec
 
     def __call__(self, *args, **kwargs):
         if self._eager_left > 0:
             self._eager_left -= 1
             return self.fn(*args, **kwargs)
-        leaves, spec = pytree.tree_flatten((args, kwargs))
+        if not kwargs and all([isinstance(a, torch.Tensor) for a in args]):  # without pytree
+            leaves, spec = list(args), self._specs.get(len(args))
+            if spec is None:
+                spec = self._specs[len(args)] = pytree.tree_flatten((args, kwargs))[1]
+        else:
+            leaves, spec = pytree.tree_flatten((args, kwargs))
         if self._world is None:
-            self._world = _World(*_discover(self.fn, leaves, self._models, self._optimizers))
+            found = _discover(self.fn, leaves, self._models, self._optimizers, self._scalers)
+            self._world = _World(*found)
         world = self._world
-        key = (world.guard_key(leaves), spec)
+        grads = list(map(_GRAD, world.params))
+        key = (world.guard_key(leaves, grads), spec)
         prog = self._programs.get(key)
         if prog is None:
             prog = self._new_program(key, leaves, spec)
         metrics.counter_inc("StepExecute")
-        return prog.run(world, leaves)
+        return prog.run(world, leaves, grads)
 
     def _new_program(self, key, leaves, spec):
         if self._programs:
@@ -270,8 +296,8 @@ class CompiledStep:
 def _diff(key, old):
     if old is None:
         return "first trace"
-    (a_args, a_grads, a_hyper, a_train), a_spec = key
-    (b_args, b_grads, b_hyper, b_train), b_spec = old
+    (a_args, a_grads, a_hyper, a_train, a_scal), a_spec = key
+    (b_args, b_grads, b_hyper, b_train, b_scal), b_spec = old
     if a_spec != b_spec:
         return "the step's arguments have a different structure"
     for i, (x, y) in enumerate(zip(a_args, b_args)):
@@ -283,6 +309,8 @@ def _diff(key, old):
         return f"an optimizer hyper-parameter changed: {a_hyper} vs {b_hyper}"
     if a_train != b_train:
         return "a module's training flag changed"
+    if a_scal != b_scal:
+        return f"a GradScaler setting changed: {a_scal} vs {b_scal}"
     return "unknown"
 
 
@@ -318,6 +346,7 @@ class _StepProgram:
                         )
                     )
                 stack.enter_context(_swap_optimizers(world, tensors, lrs))
+                stack.enter_context(scaler.swapped(world.scalers, tensors, world.scaler_index))
                 out = self.fn(*args, **kwargs)
             out_leaves, out_spec = pytree.tree_flatten(out)
             grads_out = [tensors[i].grad for i in world.param_index]
@@ -347,14 +376,14 @@ class _StepProgram:
         # Two traces: the step as ATen ops (autograd's backward included; functorch's
         # functionalize forbids .backward()), then that graph functionalized.
         with torch.compiler._compile_session_context():
-            raw = make_fx(traced, tracing_mode="fake", decomposition_table=decompositions())(
+            raw = make_fx(traced, tracing_mode="fake", decomposition_table=_decompositions())(
                 *example
             )
             plain = [e.detach() for e in example]
             gm = make_fx(
                 torch.func.functionalize(raw, remove="mutations_and_views"),
                 tracing_mode="fake",
-                decomposition_table=decompositions(),
+                decomposition_table=_decompositions(),
             )(*plain)
         self.consts = consts
         self.n_inputs = n_state + n_grad + n_args + n_lr
@@ -373,15 +402,18 @@ class _StepProgram:
         self.lowered = lower.Lowered(gm, name="step")
         out_spec, is_tensor, has_grad = self.out_info
         self.n_user = sum(is_tensor)
+        self.single_output = out_spec.is_leaf() and is_tensor == [True]
         self.grad_out = [k for k, h in enumerate(has_grad) if h]
         self.flat = _FlatRunner.build(self, world, n_state, n_grad, n_args)
 
-    def run(self, world, leaves):
+    def run(self, world, leaves, grads):
         if self.flat is not None and self.flat.valid(world):
-            outs = self.flat.run(world, leaves)
+            outs = self.flat.run(world, leaves, grads)
         else:
             outs = self._run_per_tensor(world, leaves)
         out_spec, is_tensor, _ = self.out_info
+        if self.single_output:
+            return outs[0]
         user, others = iter(outs), iter(self.consts)
         leaves_out = [next(user) if t else next(others) for t in is_tensor]
         return pytree.tree_unflatten(leaves_out, out_spec)
@@ -408,6 +440,11 @@ class _StepProgram:
             for j, pos in self.arg_mutations:  # the step wrote into one of its arguments
                 leaves[self.arg_pos[j]].copy_(outs[pos])
         return outs[:n_user]
+
+
+@functools.lru_cache(maxsize=None)
+def _decompositions():
+    return {**decompositions(), **scaler.decompositions()}
 
 
 def _example(t, requires_grad):
