@@ -300,3 +300,29 @@ def test_every_input_of_a_training_step_is_named():
     want |= {f"opt.state[model.{p}]['momentum_buffer']" for p in ("0.weight", "0.bias")}
     assert want <= got, sorted(got)
     assert not [n for n in got if n.startswith("batch input")], sorted(got)
+
+
+def test_fallback_warning_in_a_python_c_script(tmp_path):
+    """``python -c``: the user's "file" has a loader that cannot give its source; the fallback
+    warning must still be shown (it once raised ImportError from inside warnings.warn_explicit)."""
+    code = (
+        "import torch, torchacc; x = torch.ones(3).to(torchacc.device()); "
+        "print(torch.unique(x).cpu().tolist())"
+    )
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TORCHACC_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."),
+    )
+    out = subprocess.run(
+        [sys.executable, "-W", "always", "-c", code],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1.0]"
+    assert "<string>:1: UserWarning: torchacc: aten._unique2.default has no lowering" in out.stderr

@@ -241,6 +241,9 @@ def warn_at(site, message, category=UserWarning):
     else:  # (warnings.warn_explicit's own default; an explicit None would match no filter)
         module = os.path.splitext(os.path.basename(site.file))[0] or "<unknown>"
         registry = None
-    warnings.warn_explicit(
-        message, category, site.file, site.line, module, registry, module_globals
-    )
+    try:
+        warnings.warn_explicit(
+            message, category, site.file, site.line, module, registry, module_globals
+        )
+    except ImportError:  # a loader that cannot give the source (``python -c``, some REPLs)
+        warnings.warn_explicit(message, category, site.file, site.line, module, registry)
