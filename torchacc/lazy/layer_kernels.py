@@ -112,6 +112,12 @@ def _cast(t, dtype):
     return VRef(val, val.desc)
 
 
+def _record_cast(op, dtype, tensors, rest=()):
+    """One fresh tensor: ``op`` recorded on ``tensors`` cast to ``dtype``, then ``rest``."""
+    args = (*[_cast(t, dtype) for t in tensors], *rest)
+    return fresh(record_values(op, args, {})[0][0])
+
+
 def _cast_back(val, dtype):
     if val.desc[2] == dtype:
         return fresh(val)
@@ -130,8 +136,7 @@ class _CastConvolution(torch.autograd.Function):
     def forward(ctx, input, weight, bias, dtype, params):
         ctx.save_for_backward(input, weight, bias)
         ctx.dtype, ctx.params = dtype, params
-        args = (_cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype), *params)
-        return fresh(record_values(_convolution, args, {})[0][0])
+        return _record_cast(_convolution, dtype, (input, weight, bias), params)
 
     @staticmethod
     def backward(ctx, grad):
@@ -160,8 +165,7 @@ class _CastLinear(torch.autograd.Function):
     def forward(ctx, input, weight, bias, dtype):
         ctx.save_for_backward(input, weight, bias)
         ctx.dtype = dtype
-        args = (_cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype))
-        return fresh(record_values(ops.linear, args, {})[0][0])
+        return _record_cast(ops.linear, dtype, (input, weight, bias))
 
     @staticmethod
     def backward(ctx, grad):
@@ -199,8 +203,7 @@ def _fold_convolution(
     params = (list(stride), list(padding), list(dilation), transposed, list(out_pad), groups)
     if _needs_grad(input, weight, bias):
         return _CastConvolution.apply(input, weight, bias, dtype, params)
-    args = (_cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype), *params)
-    return fresh(record_values(_convolution, args, {})[0][0])
+    return _record_cast(_convolution, dtype, (input, weight, bias), params)
 
 
 def _conv_nd(dtype, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
@@ -240,8 +243,7 @@ def _linear_folded(dtype, input, weight, bias=None):
         return None
     if _needs_grad(input, weight, bias):
         return _CastLinear.apply(input, weight, bias, dtype)
-    args = (_cast(input, dtype), _cast(weight, dtype), _cast(bias, dtype))
-    return fresh(record_values(ops.linear, args, {})[0][0])
+    return _record_cast(ops.linear, dtype, (input, weight, bias))
 
 
 # Autocast's lower-precision kernel calls ``FOLDED_CASTS[op](dtype, *args, **kwargs)`` first; a

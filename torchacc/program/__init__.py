@@ -13,4 +13,4 @@ from torchacc.program.cache import (  # noqa: F401
     enable_persistent_cache,
     memory_hits,
 )
-from torchacc.program.key import Graph, explain_miss  # noqa: F401
+from torchacc.program.key import Graph  # noqa: F401

@@ -111,39 +111,3 @@ def _collect(outputs):
 
 
 _seq = operator.attrgetter("seq")
-
-
-def explain_miss(key, cached):
-    """Why ``key`` is not among the ``cached`` keys: the nearest one and what differs."""
-    if not cached:
-        return "first graph"
-    in_avals, parts, out_ids = key[:3]
-    best, best_score = None, -1
-    for other in cached:
-        score = sum(1 for a, b in zip(parts[::2], other[1][::2]) if a == b)
-        if other[0] == in_avals:
-            score += 1
-        if score > best_score:
-            best, best_score = other, score
-    o_avals, o_parts = best[0], best[1]
-    if len(o_avals) != len(in_avals):
-        return f"{len(in_avals)} inputs vs {len(o_avals)} in the nearest cached graph"
-    for i, (a, b) in enumerate(zip(in_avals, o_avals)):
-        if a != b:
-            return (
-                f"input {i} has shape {tuple(a[0])} dtype {a[1]}; nearest cached graph had "
-                f"shape {tuple(b[0])} dtype {b[1]}"
-            )
-    for i, (a, b) in enumerate(zip(parts[::2], o_parts[::2])):
-        a, b = a.key, b.key
-        if a != b:
-            if a[0] != b[0]:
-                return f"op {i} is {a[0]}; nearest cached graph has {b[0]} there"
-            return f"op {i} ({a[0]}) has different arguments: {a[1:]} vs {b[1:]}"
-    if len(parts) != len(o_parts):
-        return f"{len(parts) // 2} ops vs {len(o_parts) // 2} in the nearest cached graph"
-    if out_ids != best[2]:
-        return "the same ops, but different tensors are live at the sync"
-    if key[4:] != best[4:]:
-        return f"float32 precision settings {key[4]} differ from the cached graph's {best[4]}"
-    return "the same graph with different donated buffers"

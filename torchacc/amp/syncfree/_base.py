@@ -156,8 +156,7 @@ def group_steps(opt, group, params, states, make):
         return [shared]
     if first is not None and holders.get(first) == len(params) and all(s is first for s in have):
         return [first]
-    if len(holders):
-        split_steps(opt, group)
+    split_steps(opt, group)
     for p, st in zip(params, states):
         if st.get("step") is None:
             st["step"] = make(p)
