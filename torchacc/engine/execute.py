@@ -19,6 +19,8 @@ from torchacc import program as compiler
 from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
+from torchacc.lowering import precision
+from torchacc.program import known
 
 _last_outputs: list = []
 _last_sync_end = [None]
@@ -37,6 +39,7 @@ def fetch(value, dtype):
     """A CPU tensor with ``value``'s data (running its graph first if it is pending)."""
     if value.node is not None:
         explain.on_read()  # Note [Explaining syncs and compiles]
+        known.spoil("a read ran part of the step before mark_step")
         run([value], donate=False)
     return read(value.array, dtype)
 
@@ -66,26 +69,47 @@ def _donatable_fn(held=None):
     return lambda v: id(v) not in held and id(v.array) not in held
 
 
-def run(outputs, donate, held=None):
+def run(outputs, donate, held=None, learn=False):
     """Compute the pending Values ``outputs`` with one program and bind their arrays.
 
     With ``donate``, inputs no live storage holds give their buffers to the outputs; ``held`` is
-    that set of ids when the caller has it already (``_live_outputs``)."""
+    that set of ids when the caller has it already (``_live_outputs``). With ``learn`` (a
+    ``mark_step``), the step is remembered as a known step (Note [Known steps])."""
+    if not learn:
+        known.spoil("part of the step ran before mark_step")
     graph = compiler.Graph(outputs, _donatable_fn(held) if donate else None)
-    floats = np.asarray(graph.floats, dtype=np.float64)
-    ints = np.asarray(graph.ints, dtype=np.int64)
-    args = [floats, ints] + [v.array for v in graph.inputs]
+    args = _args(graph.floats, graph.ints, graph.inputs)
     exe = compiler.compiled_for(graph, args)
-    metrics.counter_inc("RecordedOps", len(graph.order))
+    if learn:
+        known.learn(graph, exe, held, precision.key())
+    _launch(exe, args, outputs, graph.inputs, graph.donate, len(graph.order))
+
+
+def _args(floats, ints, inputs):
+    floats = np.asarray(floats, dtype=np.float64)
+    ints = np.asarray(ints, dtype=np.int64)
+    return [floats, ints] + [v.array for v in inputs]
+
+
+def _launch(exe, args, outputs, inputs, donate, n_ops):
+    metrics.counter_inc("RecordedOps", n_ops)
     start = time.perf_counter()
     results = exe(*args)
     metrics.record_time("ExecuteTime", time.perf_counter() - start)
     for v, array in zip(outputs, results):
         v.array = array
         v.node = None
-    for i in graph.donate:  # their buffers now belong to the outputs
-        graph.inputs[i].array = None
+    for i in donate:  # their buffers now belong to the outputs
+        inputs[i].array = None
     _last_outputs[:] = results
+
+
+def _run_known(launch, outputs):
+    """Launch a known step's program (Note [Known steps]): no graph walk, no key."""
+    compiler.count_memory_hit()
+    metrics.counter_inc("KnownStep")
+    args = _args(launch.floats, launch.ints, launch.inputs)
+    _launch(launch.exe, args, outputs, launch.inputs, launch.donate, launch.n_order)
 
 
 def sync(wait=False):
@@ -97,7 +121,12 @@ def sync(wait=False):
     outputs, held = _live_outputs()
     explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
-        run(outputs, donate=True, held=held)
+        launch = known.match(outputs, held, precision.key())
+        if launch is not None:
+            _run_known(launch, outputs)
+        else:
+            run(outputs, donate=True, held=held, learn=True)
+    known.next_step()
     _gc_after_sync()
     if wait:
         wait_device_ops()

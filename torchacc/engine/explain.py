@@ -24,6 +24,7 @@ import sys
 from torchacc import metrics
 from torchacc.engine import names, sites
 from torchacc.program import cache as compiler
+from torchacc.program import known
 from torchacc.program import miss as misses
 
 
@@ -226,3 +227,4 @@ def _recorded_at(graph, i):
 
 
 compiler.on_miss[0] = on_miss
+known.site_of[0] = lambda node: op_site(node.seq) or sites.user_site(sites.caller(3))

@@ -44,7 +44,7 @@ def _is_internal(code):
     if flag is None:
         path = code.co_filename
         flag = path.startswith(_ROOTS) or os.path.basename(path) in _STDLIB_INTERNAL
-        if not flag and not os.path.isabs(path) and not path.startswith("<"):
+        if not flag and not path.startswith("<"):  # relative, or with "..": sys.path tricks
             flag = os.path.abspath(path).startswith(_ROOTS)
         _internal[code] = flag
     return flag

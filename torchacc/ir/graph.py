@@ -24,8 +24,9 @@ import weakref
 class Value:
     """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta."""
 
-    # ``mark``/``slot``: scratch of the graph walk at a sync (Note [Walking a graph at a sync])
-    __slots__ = ("node", "index", "array", "desc", "mark", "slot")
+    # ``mark``/``slot``: scratch of the graph walk at a sync (Note [Walking a graph at a sync]);
+    # ``sid``: its number among the step's data inputs (Note [Known steps] in program/known.py)
+    __slots__ = ("node", "index", "array", "desc", "mark", "slot", "sid")
 
     def __init__(self, desc, node=None, index=0, array=None):
         self.node = node
@@ -33,6 +34,7 @@ class Value:
         self.array = array
         self.desc = desc
         self.mark = 0
+        self.sid = 0
 
     @property
     def pending(self):
@@ -72,8 +74,9 @@ class Node:
     it (no cycles for the garbage collector to find).
     """
 
-    # ``seq``: creation order (a topological order); ``mark``/``slot``: scratch of the graph walk
-    __slots__ = ("op", "inputs", "scalars", "seq", "mark", "slot")
+    # ``seq``: creation order (a topological order); ``mark``/``slot``: scratch of the graph walk;
+    # ``spos``: its position in the step's op stream (Note [Known steps] in program/known.py)
+    __slots__ = ("op", "inputs", "scalars", "seq", "mark", "slot", "spos")
 
     def __init__(self, op, inputs, scalars):
         self.op = op
@@ -81,9 +84,13 @@ class Node:
         self.scalars = scalars
         self.seq = _next_seq()
         self.mark = 0
+        self.spos = -1
+        if observe is not None:
+            observe(self)
 
 
 _next_seq = itertools.count(1).__next__
+observe = None  # fn(node) called for every new Node (set by torchacc/program/known.py)
 
 
 class TensorSlot(int):

@@ -12,7 +12,7 @@ import jax
 
 from torchacc import metrics
 from torchacc.lowering import precision
-from torchacc.program import spmd  # Note [Multi-process programs]
+from torchacc.program import known, spmd  # Note [Multi-process programs]
 from torchacc.program.build import program_of
 
 _cache: dict = {}
@@ -50,8 +50,7 @@ def compiled_for(graph, args):
     key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
     exe = _cache.get(key)
     if exe is not None:
-        metrics.counter_inc("CachedCompile")
-        memory_hits[0] += 1
+        count_memory_hit()
         return exe
     if on_miss[0] is not None:  # why this compile (Note [Explaining syncs and compiles])
         on_miss[0](graph, key, _cache)
@@ -70,9 +69,16 @@ def compiled_for(graph, args):
     return exe
 
 
+def count_memory_hit():
+    """Count a step that reused an in-memory executable (the full path's or a known step's)."""
+    metrics.counter_inc("CachedCompile")
+    memory_hits[0] += 1
+
+
 def clear_memory_cache():
     """Forget the in-memory executables (a setting they baked in changed)."""
     _cache.clear()
+    known.forget()
 
 
 def cache_size():
