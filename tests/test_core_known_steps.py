@@ -308,3 +308,27 @@ def test_same_ops_wired_differently_are_different_steps():
         assert torch.equal(on[2 * s], c - d if s % 2 else d - c)
         assert torch.equal(on[2 * s + 1], a - b if s % 3 else b - a)
     assert launched >= 2
+
+
+def test_programs_forgotten_in_the_middle_of_a_step():
+    """``clear_memory_cache`` (a precision change, ``torch_xla.backends``) mid-step: the step
+    takes the full path and the next ones are learnt again."""
+
+    def loop():
+        w = torch.ones(4).to(DEV)
+        torchacc.sync()
+        out = []
+        for s in range(6):
+            w = w * 2
+            if s == 3:
+                compiler.clear_memory_cache()
+            w = w + 1
+            torchacc.sync()
+            out.append(w)
+        return [t.cpu() for t in out]
+
+    off, on, launched = _both(loop)
+    _assert_bit_equal(off, on)
+    # step 0 donates its input (nothing else holds it), steps 1-5 do not (``out`` holds it): steps
+    # 0 and 1 are learnt, 2 is known, 3 is forgotten mid-step, 4 is learnt again, 5 is known
+    assert launched == 2

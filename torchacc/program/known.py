@@ -293,10 +293,12 @@ def next_step():
 
 
 def forget():
-    """Drop every known stream (compiled programs were forgotten)."""
+    """Drop every known stream (compiled programs were forgotten); the step being recorded will
+    take the full path."""
+    global _step
     _streams.clear()
     _last[0] = None
-    _step.stream = None
+    _step = _Step(_step.base + _STEP, None)
     _step.known = False
 
 

@@ -415,12 +415,17 @@ def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
 
 
 def _fetch_gradients(optimizer):
-    """The ``.grad`` of every parameter of ``optimizer`` that has one (torch_xla's helper)."""
+    """The ``.grad`` of every parameter of ``optimizer`` that has one (torch_xla's helper).
+
+    torch_xla returns ``p.grad.data``; a gradient that does not require grad (no
+    ``create_graph``) is returned as is, which aliases the same memory without making a new
+    tensor per parameter per step (a ``.data`` alias costs a dispatch and a wrapper tensor)."""
     gradients = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if p.grad is not None:
-                gradients.append(p.grad.data)
+            g = p.grad
+            if g is not None:
+                gradients.append(g.data if g.requires_grad else g)
     return gradients
 
 
