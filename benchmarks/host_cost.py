@@ -17,7 +17,8 @@ Per model it reports recorded ops per step (graph nodes of the step's program), 
 time before ``mark_step``), mark_step ms (host time inside it, which launches without waiting; the
 executable call in it is shown apart, as on XLA:CPU it runs the program in the calling thread),
 the eager step and the ratio (record + mark_step) / eager: the median over repeats of each
-repeat's paired ratio, eager and compiler steps alternating so machine drift hits both alike.
+repeat's paired ratio, eager and compiler steps alternating so machine drift hits both alike; and
+the share of measured steps launched as known steps (Note [Known steps]: no graph walk).
 
 Usage: python benchmarks/host_cost.py [--steps 10] [--repeats 7] [--models ...] [--json out.json]
 """
@@ -123,6 +124,7 @@ def measure(name, optimizer, steps, repeats):
     compiles_before = _count("UncachedCompile") + _count("PersistentCacheHit")
     ops_before = _count("RecordedOps")
     syncs_before = _count("MarkStep")
+    known_before = _count("KnownStep")
     eager_t, record_t, launch_t, exec_t, ratios = [], [], [], [], []
     for _ in range(repeats):
         e_total = r_total = l_total = 0.0
@@ -156,6 +158,8 @@ def measure(name, optimizer, steps, repeats):
         "ratio": statistics.median(ratios),
         "repeat_ratios": ratios,
         "recompiles_after_warmup": recompiles,
+        # steps launched without a graph walk (Note [Known steps])
+        "known_step_fraction": (_count("KnownStep") - known_before) / syncs,
     }
 
 
@@ -171,15 +175,16 @@ def main():
     rows = [measure(m, args.optimizer, args.steps, args.repeats) for m in args.models.split(",")]
     print(
         "| model | optimizer | params | recorded ops/step | record ms | "
-        "mark_step ms (executable call) | eager CPU step ms | ratio (record+mark_step)/eager |"
+        "mark_step ms (executable call) | eager CPU step ms | ratio (record+mark_step)/eager | "
+        "known steps |"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(
             f"| {r['model']} | {r['optimizer']} | {r['params']} | "
             f"{r['recorded_ops_per_step']:.0f} | {r['record_ms']:.2f} | {r['mark_step_ms']:.2f} "
             f"({r['execute_call_ms']:.2f}) | "
-            f"{r['eager_step_ms']:.2f} | {r['ratio']:.2f} |"
+            f"{r['eager_step_ms']:.2f} | {r['ratio']:.2f} | {r['known_step_fraction']:.0%} |"
         )
     if args.json:
         with open(args.json, "w") as f:
