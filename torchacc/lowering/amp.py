@@ -14,9 +14,9 @@ host for these kernels. Semantics follow PyTorch's CPU/CUDA kernels (AmpKernels)
   grows the scale every ``growth_interval`` steps, keeping the old scale if the grown one is not
   finite; factors are applied in float64 and rounded once to float32, as the kernels do.
 
-torchacc's own GradScaler (torchacc/amp) records the same math as ordinary ops
-(torchacc/lowering/amp_twins.py); these rules serve ``torch.amp.GradScaler("torchacc")`` and any
-code calling the kernels directly.
+torchacc's GradScaler (torchacc/amp), ``torch.amp.GradScaler("torchacc")`` and any code calling the
+kernels on the lazy device reach these rules; ``torchacc.compile_step`` traces the kernels as their
+ATen twins instead (torchacc/lowering/amp_twins.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def amp_unscale(grads, found_inf, inv_scale):
 def amp_update_scale(
     scale, growth_tracker, found_inf, scale_growth_factor, scale_backoff_factor, growth_interval
 ):
-    found = jnp.reshape(found_inf, ()) > 0  # all three are 1-element tensors
+    found = jnp.reshape(found_inf, ()) != 0  # the kernels' ``if (*found_inf)``; all 1-element
     wide = scale.astype(jnp.float64)
     backed_off = (wide * scale_backoff_factor).astype(scale.dtype)
     grown = (wide * scale_growth_factor).astype(scale.dtype)
