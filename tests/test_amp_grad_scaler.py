@@ -282,3 +282,49 @@ def test_one_scaler_several_optimizers_matches_torch(kind):
                     q.detach().cpu(), p.detach(), rtol=1e-5, atol=1e-6, msg=f"{k} step {step}"
                 )
     assert scaler.state_dict() == ref_scaler.state_dict()
+
+
+def test_torch_grad_scaler_itself_runs_its_kernels_on_the_device():
+    """Plain ``torch.amp.GradScaler("torchacc")`` (not torchacc's subclass) calls the raw
+    ``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_``: both are recorded
+    (no CPU fallback), and scale, growth tracker, unscaled gradients and parameters follow the
+    CPU scaler step for step through inf and NaN steps. Its ``step`` reads found_inf on the host
+    (torch's behaviour, one transfer); ``unscale_`` and ``update`` read nothing."""
+    dev = torchacc.device()
+    shapes = [(4, 3), (3,)]
+    init = [torch.randn(s) for s in shapes]
+    ref_params = [nn.Parameter(t.clone()) for t in init]
+    params = [nn.Parameter(t.clone().to(dev)) for t in init]
+    ref_opt = torch.optim.SGD(ref_params, lr=0.1)
+    opt = torch.optim.SGD(params, lr=0.1)
+    settings = dict(init_scale=2.0**10, growth_interval=2)
+    ref_scaler = torch.amp.GradScaler("cpu", **settings)
+    scaler = torch.amp.GradScaler("torchacc", **settings)
+    assert type(scaler) is torch.amp.GradScaler
+    fallbacks = metrics.executed_fallback_ops()
+    for step in range(6):
+        ref_scale = ref_scaler.scale(torch.ones(()))
+        scaler.scale(torch.ones((), device=dev))
+        grads = _grads(step, shapes, float(ref_scale))
+        for p, r, g in zip(params, ref_params, grads, strict=True):
+            r.grad, p.grad = g.clone(), g.to(dev)
+        torchacc.sync()
+        n = metrics.counter_value("TransferFromDevice") or 0
+        ref_scaler.unscale_(ref_opt)
+        scaler.unscale_(opt)
+        torchacc.sync()
+        assert (metrics.counter_value("TransferFromDevice") or 0) == n
+        for p, r in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=0, atol=0, equal_nan=True)
+        ref_scaler.step(ref_opt)
+        scaler.step(opt)
+        ref_scaler.update()
+        n = metrics.counter_value("TransferFromDevice") or 0
+        scaler.update()
+        torchacc.sync()
+        assert (metrics.counter_value("TransferFromDevice") or 0) == n
+        assert scaler._scale.cpu().item() == ref_scaler._scale.item(), f"scale at step {step}"
+        assert scaler._growth_tracker.cpu().item() == ref_scaler._growth_tracker.item()
+        for p, r in zip(params, ref_params, strict=True):
+            torch.testing.assert_close(p.detach().cpu(), r.detach(), rtol=1e-6, atol=1e-7)
+    assert metrics.executed_fallback_ops() == fallbacks

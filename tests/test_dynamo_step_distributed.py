@@ -12,7 +12,8 @@ import sys
 import pytest
 from distributed_launch import REPO, env, free_port, report
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+# the three tests read one 2-process job (module fixture): one xdist worker runs it once
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400), pytest.mark.xdist_group("dynstep_ddp")]
 
 WORKER = os.path.join(REPO, "tests", "dynamo_step_worker.py")
 

@@ -30,6 +30,8 @@ def _train(tmp_path_factory, *flags):
     return _runs[flags]
 
 
+# The first two tests share the O0 dynamo run (_runs): on one xdist worker it runs once
+@pytest.mark.xdist_group("dynamo_mode_o0")
 def test_dynamo_mode_matches_eager_at_O0(tmp_path_factory):
     _, eager = _train(tmp_path_factory, "--amp_level=O0")
     p, dyn = _train(tmp_path_factory, "--amp_level=O0", *DYNAMO)
@@ -43,6 +45,7 @@ def test_dynamo_mode_matches_eager_at_O0(tmp_path_factory):
     assert "step 2 traces and compiles the whole step" in p.stdout
 
 
+@pytest.mark.xdist_group("dynamo_mode_o0")
 def test_dynamo_mode_bf16_autocast(tmp_path_factory):
     amp = ("--amp_level=O1", "--amp_dtype=bf16")
     _, eager = _train(tmp_path_factory, *amp)

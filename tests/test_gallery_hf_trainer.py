@@ -25,6 +25,8 @@ MODELS = ["gpt2", "bert"]
 # transformers' default optimizer on an accelerator: torch.optim.AdamW(fused=True), one fused node
 # per parameter group on torchacc (torchacc/lowering/optim.py), the CPU fused kernel on eager
 OPTIMS = ["adamw_torch_fused"]
+# both tests read the one module fixture: on one xdist worker it runs once (not once per worker)
+pytestmark = pytest.mark.xdist_group("hf_trainer")
 
 
 def _run(args, timeout=900):

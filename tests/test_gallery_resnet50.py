@@ -11,7 +11,7 @@ from conftest import eager_device_type
 from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher
 
 from gallery.resnet50 import data as rdata
-from gallery.resnet50.model import RESNET50_NUM_PARAMS, resnet50
+from gallery.resnet50.model import CONFIGS, RESNET50_NUM_PARAMS, Bottleneck, build, resnet50
 
 
 def test_resnet50_has_torchvisions_parameter_count():
@@ -32,6 +32,25 @@ def test_resnet50_has_torchvisions_parameter_count():
         assert k in keys, k
     assert len(keys) == 320
     assert model.layer2[0].conv2.stride == (2, 2) and model.layer2[0].conv1.stride == (1, 1)
+
+
+def test_resnet_tiny_has_every_kind_of_resnet50_block():
+    """``--model=resnet-tiny`` (the compiler-parity test's model) is ResNet-50's code with fewer,
+    narrower blocks: each stage opens with a projection shortcut, stages 2-4 downsample on the 3x3
+    convolution, stage 1 also has an identity-shortcut block; and ``build`` gives ResNet-50 itself
+    for ``resnet50``."""
+    with torch.device("meta"):
+        tiny, full = build("resnet-tiny"), build("resnet50")
+    assert sum(p.numel() for p in full.parameters()) == RESNET50_NUM_PARAMS
+    assert set(full.state_dict()) == set(resnet50().state_dict())
+    stages = [tiny.layer1, tiny.layer2, tiny.layer3, tiny.layer4]
+    assert [len(s) for s in stages] == list(CONFIGS["resnet-tiny"][0]) == [2, 1, 1, 1]
+    assert all(isinstance(b, Bottleneck) for s in stages for b in s)
+    assert all(s[0].downsample is not None for s in stages)
+    assert tiny.layer1[1].downsample is None  # an identity shortcut
+    assert [s[0].conv2.stride for s in stages] == [(1, 1), (2, 2), (2, 2), (2, 2)]
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in tiny.modules()) == 20
+    assert sum(isinstance(m, torch.nn.Conv2d) for m in full.modules()) == 53
 
 
 def test_resnet50_small_input_forward():

@@ -120,7 +120,10 @@ def test_model_registry_matches_gpt_configs():
 
     gpt_names = {k for k, v in launch.MODELS.items() if v == "gallery.gpt.main"}
     assert gpt_names == set(CONFIGS)
-    assert launch.MODELS["resnet50"] == "gallery.resnet50.main"
+    from gallery.resnet50.model import CONFIGS as RESNETS
+
+    resnet_names = {k for k, v in launch.MODELS.items() if v == "gallery.resnet50.main"}
+    assert resnet_names == set(RESNETS) == {"resnet50", "resnet-tiny"}
 
 
 def test_mpi_environment_mapping():

@@ -12,6 +12,7 @@ import os
 # gallery/gpt/model.py and gallery/llama/model.py.
 MODELS: dict[str, str] = {
     "resnet50": "gallery.resnet50.main",
+    "resnet-tiny": "gallery.resnet50.main",  # ResNet-50's blocks at CI size (resnet50/model.py)
     "gpt2": "gallery.gpt.main",
     "gpt2-medium": "gallery.gpt.main",
     "gpt2-large": "gallery.gpt.main",
@@ -209,16 +210,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--lr",
         type=_positive_float,
         default=None,
-        help="AdamW learning rate (default: 1e-3 for resnet50, 6e-4 for the gpt models)",
+        help="AdamW learning rate (default: 1e-3 for the resnets, 6e-4 for the gpt models)",
     )
     g.add_argument(
         "--weight_decay",
         type=_nonneg_float,
         default=None,
-        help="AdamW weight decay (default: 1e-4 for resnet50, 0.1 for the gpt models)",
+        help="AdamW weight decay (default: 1e-4 for the resnets, 0.1 for the gpt models)",
     )
     g.add_argument(
-        "--image_size", type=_int_at_least(16, "image_size"), default=224, help="resnet50 only"
+        "--image_size",
+        type=_int_at_least(16, "image_size"),
+        default=224,
+        help="resnet50, resnet-tiny only",
     )
     g.add_argument(
         "--seq_len",
@@ -230,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         type=_data,
         default="mock",
-        help="'mock' (in-memory synthetic data) or, for resnet50, an ImageFolder directory",
+        help="'mock' (in-memory synthetic data) or, for the resnets, an ImageFolder directory",
     )
     g.add_argument(
         "--mock_samples",
@@ -287,9 +291,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--node_rank {args.node_rank} must be < --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.master_addr is None and "MASTER_ADDR" not in os.environ:
         parser.error("--nnodes > 1 needs --master_addr (the address of node 0)")
-    if args.model == "resnet50":
+    if MODELS[args.model] == MODELS["resnet50"]:
         if args.seq_len is not None:
-            parser.error("--seq_len applies to the gpt models, not resnet50")
+            parser.error(f"--seq_len applies to the gpt models, not {args.model}")
     else:
         if args.data != "mock":
             parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")

@@ -29,10 +29,17 @@ import torch.nn.functional as F
 
 from gallery.common.trainer import Task, run
 from gallery.resnet50.data import IMAGENET_TRAIN_SIZE, ImageFolder, MockImageNet, normalize
-from gallery.resnet50.model import resnet50
+from gallery.resnet50.model import CONFIGS, build
+
+_TITLES = {
+    "resnet50": "ResNet-50",
+    "resnet-tiny": "resnet-tiny (ResNet-50's blocks, 2-1-1-1, width 16)",
+}
 
 
 def make_task(args: argparse.Namespace) -> Task:
+    if args.model not in CONFIGS:
+        raise SystemExit(f"--model {args.model!r}: this worker trains {', '.join(CONFIGS)}")
     if args.data == "mock":
         dataset = MockImageNet(
             image_size=args.image_size,
@@ -46,8 +53,8 @@ def make_task(args: argparse.Namespace) -> Task:
         num_classes = dataset.num_classes
 
     return Task(
-        name="resnet50",
-        build_model=lambda a: resnet50(num_classes=num_classes),
+        name=args.model,
+        build_model=lambda a: build(args.model, num_classes=num_classes),
         build_dataset=lambda a: dataset,
         loss_fn=F.cross_entropy,
         default_lr=1e-3,
@@ -55,7 +62,8 @@ def make_task(args: argparse.Namespace) -> Task:
         preprocess=normalize,
         channels_last=True,
         describe=lambda m: (
-            f"ResNet-50 ({num_classes} classes), {args.image_size}x{args.image_size} input, "
+            f"{_TITLES.get(args.model, args.model)} ({num_classes} classes), "
+            f"{args.image_size}x{args.image_size} input, "
             f"data: {'mock ImageNet (in memory)' if args.data == 'mock' else args.data}"
             f" ({len(dataset):,} samples)"
         ),

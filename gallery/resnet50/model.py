@@ -10,9 +10,18 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["Bottleneck", "ResNet", "resnet50", "RESNET50_NUM_PARAMS"]
+__all__ = ["Bottleneck", "ResNet", "resnet50", "build", "CONFIGS", "RESNET50_NUM_PARAMS"]
 
 RESNET50_NUM_PARAMS = 25_557_032
+
+# --model name -> (Bottlenecks per stage, base width). ``resnet-tiny`` is ResNet-50's code at CI
+# size: every kind of block (a projection shortcut opening each stage, stride 2 on the 3x3 conv of
+# stages 2-4, an identity shortcut in stage 1) with 20 convolutions instead of 53. XLA's compile
+# time grows with the number of convolutions, not with their width or the image size.
+CONFIGS: dict[str, tuple[tuple[int, int, int, int], int]] = {
+    "resnet50": ((3, 4, 6, 3), 64),
+    "resnet-tiny": ((2, 1, 1, 1), 16),
+}
 
 
 def conv3x3(in_planes: int, out_planes: int, stride: int = 1) -> nn.Conv2d:
@@ -107,3 +116,9 @@ class ResNet(nn.Module):
 
 def resnet50(num_classes: int = 1000, zero_init_residual: bool = False) -> ResNet:
     return ResNet((3, 4, 6, 3), num_classes=num_classes, zero_init_residual=zero_init_residual)
+
+
+def build(name: str, num_classes: int = 1000) -> ResNet:
+    """The ``--model`` configuration ``name`` (a key of CONFIGS)."""
+    layers, width = CONFIGS[name]
+    return ResNet(layers, num_classes=num_classes, width=width)

@@ -1,10 +1,11 @@
 """GradScaler whose unscale, inf/NaN check and scale update stay on the torchacc device.
 
-It is ``torch.amp.GradScaler`` with the two device kernels it relies on
-(``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_``) written as ordinary
-device ops, so they are recorded into the step's graph instead of reading anything on the host.
+It is ``torch.amp.GradScaler`` whose two device kernels
+(``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_``) are each recorded as
+one node of the step's graph (torchacc/lowering/amp.py), so nothing is read on the host.
 Growth/backoff follow ``torch.amp.GradScaler`` exactly (same float32 scale, int32 growth tracker,
-same order of operations).
+same order of operations). The same kernels as ordinary ATen ops (``amp_twins``, re-exported
+here) serve ``torchacc.compile_step``.
 
 ``step(optimizer)``: when ``optimizer.step`` accepts ``found_inf`` (the torchacc/torch_xla syncfree
 optimizers) the combined found-inf tensor is passed and the optimizer skips its update on the
@@ -86,18 +87,13 @@ class GradScaler(torch.amp.GradScaler):
                     grouped[grad.device][grad.dtype].append(grad)
             for device, per_dtype in grouped.items():
                 for grads in per_dtype.values():
-                    if device.type == DEVICE_TYPE:
-                        non_finite_check_and_unscale_(
-                            grads,
-                            per_device_found_inf.get(device),
-                            per_device_inv_scale.get(device),
-                        )
-                    else:
-                        torch._amp_foreach_non_finite_check_and_unscale_(
-                            grads,
-                            per_device_found_inf.get(device),
-                            per_device_inv_scale.get(device),
-                        )
+                    # on the torchacc device: one recorded node per dtype group
+                    # (torchacc/lowering/amp.py)
+                    torch._amp_foreach_non_finite_check_and_unscale_(
+                        grads,
+                        per_device_found_inf.get(device),
+                        per_device_inv_scale.get(device),
+                    )
         return per_device_found_inf._per_device_tensors
 
     def _found_inf_combined(self, optimizer_state):
@@ -138,7 +134,7 @@ class GradScaler(torch.amp.GradScaler):
         combined = found_infs[0]
         for f in found_infs[1:]:
             combined = combined + f
-        update_scale_(
+        torch._amp_update_scale_(  # one recorded node (torchacc/lowering/amp.py)
             _scale,
             _growth_tracker,
             combined,

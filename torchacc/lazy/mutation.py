@@ -19,7 +19,7 @@ from torchacc.lazy.record import (
     wrap,
 )
 from torchacc.lazy.tensor import LazyTensor, make
-from torchacc.lowering import lookup
+from torchacc.lowering import custom_ops, lookup
 
 aten = torch.ops.aten
 
@@ -173,6 +173,8 @@ def functional_variant(func):
 
 
 _INPLACE_SPECIAL = {
+    # ATen's twin returns (list, tensor); ours one flat list (torchacc/lowering/amp.py)
+    "aten._amp_foreach_non_finite_check_and_unscale_.default": custom_ops.amp_unscale,
     "aten.normal_.default": aten.normal_functional.default,
     "aten.bernoulli_.float": aten.bernoulli.p,
     "aten.bernoulli_.Tensor": aten.bernoulli.Tensor,
@@ -230,6 +232,9 @@ def make_mutation_handler(func, handler_of, fallback):
 
     if mode == "inplace" and lookup(functional) is not None and returns_tensor_lists(functional):
         return _list_update_handler(func, functional, names, fallback)
+
+    if mode == "inplace" and lookup(functional) is not None and len(mutated) > 1:
+        return _multi_write_handler(func, functional, mutated, fallback)
 
     if mode == "inplace" and lookup(functional) is not None:
 
@@ -324,9 +329,46 @@ def _list_update_handler(func, functional, names, fallback):
                 continue
             targets = args[i] if i < len(args) else kwargs[name]
             for t, v in zip(targets, outs):
-                if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
-                    write_back(t, fresh(v), func)  # raises the device or resize error
-                assign(t, v)
+                _write_value(t, v, func)
         return None
+
+    return handler
+
+
+def _write_value(t, v, func):
+    """Make ``t`` hold Value ``v`` (a new value of an argument that ``func`` writes)."""
+    if type(t) is not LazyTensor or v.desc[0] != t._desc[0]:
+        write_back(t, fresh(v), func)  # raises the device or resize error
+    assign(t, v)
+
+
+def _multi_write_handler(func, functional, positions, fallback):
+    """In-place ops that write several arguments, tensors or tensor lists
+    (``_amp_update_scale_``, ``_amp_foreach_non_finite_check_and_unscale_``): one node of the twin,
+    whose outputs are the new values of the written arguments in order, a list giving one output
+    per element."""
+    schema_args = func._schema.arguments
+    returns_self = len(func._schema.returns) == 1
+
+    def handler(_, args, kwargs):
+        try:
+            vals, _op = record_values(functional, args, kwargs)
+        except NeedsFallback:
+            return fallback(func, args, kwargs)
+        targets = []
+        for i in positions:
+            a = args[i] if i < len(args) else kwargs[schema_args[i].name]
+            if isinstance(a, (list, tuple)):
+                targets.extend(a)
+            else:
+                targets.append(a)
+        if len(targets) != len(vals):
+            raise RuntimeError(
+                f"torchacc: {functional} gave {len(vals)} new values for the {len(targets)} "
+                f"tensors {func} writes"
+            )
+        for t, v in zip(targets, vals):
+            _write_value(t, v, func)
+        return args[0] if returns_self else None
 
     return handler

@@ -14,6 +14,7 @@ _FAMILIES = (
     "nn",
     "nn_backward",
     "optim",
+    "amp",
     "prims",
     "special",
     "order",

@@ -1,8 +1,10 @@
 """torchacc's own ops, ``torch.ops.torchacc.*``: schemas and meta kernels.
 
 They exist where recording PyTorch's decomposition of a common layer would cost many dispatched
-ops per step (Note [Autograd-level kernels] in torchacc/_autograd_kernels.py). Each has a meta
-kernel (shapes and dtypes, like any ATen op) and a lowering in torchacc/lowering/nn.py.
+ops per step (Note [Autograd-level kernels] in torchacc/_autograd_kernels.py), or where ATen's own
+functional op returns what one recorded node cannot describe (``amp_unscale``: ATen's twin returns
+a list and a tensor). Each has a meta kernel (shapes and dtypes, like any ATen op) and a lowering
+(torchacc/lowering/nn.py, torchacc/lowering/amp.py).
 """
 
 from __future__ import annotations
@@ -39,15 +41,43 @@ def _linear_backward_meta(grad_output, input, weight):
     )
 
 
+# torch._amp_foreach_non_finite_check_and_unscale_'s functional form as one flat list: the new
+# grads in order, then the new found_inf (torchacc/lazy/mutation.py writes them back)
+_lib.define("amp_unscale(Tensor[] grads, Tensor found_inf, Tensor inv_scale) -> Tensor[]")
+
+
+def _float32_scalar(name, t):
+    if t.dtype != torch.float32 or t.numel() != 1:
+        raise RuntimeError(
+            f"torch._amp_foreach_non_finite_check_and_unscale_: {name} must be a 1-element "
+            f"float32 tensor, got {t.dtype} of shape {tuple(t.shape)}"
+        )
+
+
+def _amp_unscale_meta(grads, found_inf, inv_scale):
+    _float32_scalar("found_inf", found_inf)
+    _float32_scalar("inv_scale", inv_scale)
+    for i, g in enumerate(grads):
+        if not g.is_floating_point():
+            raise RuntimeError(
+                f"torch._amp_foreach_non_finite_check_and_unscale_: grads[{i}] is {g.dtype}; "
+                "it unscales floating-point gradients only"
+            )
+    return [torch.empty_like(g) for g in grads] + [torch.empty_like(found_inf)]
+
+
 _lib.impl("linear", _linear_meta, "Meta")
 _lib.impl("linear_backward", _linear_backward_meta, "Meta")
+_lib.impl("amp_unscale", _amp_unscale_meta, "Meta")
 
 linear = torch.ops.torchacc.linear.default
 linear_backward = torch.ops.torchacc.linear_backward.default
+amp_unscale = torch.ops.torchacc.amp_unscale.default
 
 # What each op is in ATen's words, for messages (a recompile names ``aten::linear``, not only the
 # fused op that recorded it)
 ATEN_NAMES = {
     "torchacc::linear": "aten::linear",
     "torchacc::linear_backward": "aten::linear's backward (aten::mm, aten::sum)",
+    "torchacc::amp_unscale": "aten::_amp_foreach_non_finite_check_and_unscale_",
 }
