@@ -3,9 +3,9 @@
 The trace-once path decomposes ``torch._amp_foreach_non_finite_check_and_unscale_`` and
 ``torch._amp_update_scale_`` into these twins, which compute the same values (same float32
 scale, int32 growth tracker, same order of operations) with ops that have one, so a scaler's
-unscale, inf/NaN check and scale update become part of the compiled step instead of a host read. ``torchacc.compile_step`` traces
-them as decompositions of the two ops (torchacc/dynamo/scaler.py); on the lazy device the two ops
-are recorded as one node each instead (torchacc/lowering/amp.py).
+unscale, inf/NaN check and scale update become part of the compiled step instead of a host read.
+``torchacc.compile_step`` traces them as decompositions of the two ops (torchacc/dynamo/scaler.py);
+on the lazy device the two ops are recorded as one node each instead (torchacc/lowering/amp.py).
 """
 
 from __future__ import annotations
