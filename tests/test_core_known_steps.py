@@ -332,3 +332,23 @@ def test_programs_forgotten_in_the_middle_of_a_step():
     # step 0 donates its input (nothing else holds it), steps 1-5 do not (``out`` holds it): steps
     # 0 and 1 are learnt, 2 is known, 3 is forgotten mid-step, 4 is learnt again, 5 is known
     assert launched == 2
+
+
+def test_many_variants_of_one_stream_stay_bounded_and_correct():
+    """A loop keeping a different intermediate alive every step: each step is a new variant of
+    the same stream; the oldest variants are dropped and every result stays right."""
+    w, ref = torch.ones(4).to(DEV), torch.ones(4)
+    torchacc.sync()
+    metrics.clear_all()
+    for s in range(20):
+        parts = [w * (k + 2) for k in range(20)]
+        kept = parts[s]  # this step's extra live output
+        w = torch.stack(parts).sum(0) / 100
+        del parts
+        torchacc.sync()
+        ref_parts = [ref * (k + 2) for k in range(20)]
+        torch.testing.assert_close(kept.cpu(), ref_parts[s])
+        ref = torch.stack(ref_parts).sum(0) / 100
+        torch.testing.assert_close(w.cpu(), ref)
+    assert all(len(st.variants) <= known._MAX_VARIANTS for st in known._streams)
+    assert _known() == 0  # every step kept another intermediate: none repeats an earlier one

@@ -43,6 +43,7 @@ from torchacc.ir import graph as ir_graph
 _STEP = 1 << 40  # base spacing: positions and data numbers of one step stay below the next base
 _SHIFT = 24  # a pending input's code: (stream position << _SHIFT) | output index
 _MAX_STREAMS = 8
+_MAX_VARIANTS = 16  # per stream, and launches per variant (the oldest goes first)
 
 
 class Stream:
@@ -266,9 +267,13 @@ def learn(graph, exe, held, precision_key):
             scalar_pos.append(p)
     variant = s.variants.get(out_codes)
     if variant is None:
+        if len(s.variants) >= _MAX_VARIANTS:
+            del s.variants[next(iter(s.variants))]
         in_descs = [v.desc for v in graph.inputs]
         variant = s.variants[out_codes] = Variant(in_pick, in_descs, scalar_pos, len(graph.order))
     flags = tuple([id(v) not in held and id(v.array) not in held for v in graph.inputs])
+    if len(variant.launches) >= _MAX_VARIANTS:
+        del variant.launches[next(iter(variant.launches))]
     variant.launches[(flags, precision_key)] = (exe, graph.donate)
 
 
