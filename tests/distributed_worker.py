@@ -12,6 +12,7 @@ Every scenario checks its results itself (assertions against the math on CPU) an
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -244,6 +245,10 @@ def scenario_collectives(args):
     cpu = torch.full((3,), float(r + 1))
     dist.all_reduce(cpu)
     close(cpu, torch.full((3,), float(sum(q + 1 for q in ranks))), "all_reduce of a CPU tensor")
+    # the group's own monitored_barrier (dist.monitored_barrier itself is gloo-only)
+    group = dist.distributed_c10d._get_default_group()
+    group.monitored_barrier()
+    group.monitored_barrier(datetime.timedelta(seconds=60))
     checks += ["barrier", "rendezvous", "cpu_tensor"]
     errors = {}
     for name, call in (
@@ -262,6 +267,14 @@ def scenario_collectives(args):
             errors[name] = str(e)
         else:
             raise AssertionError(f"{name}: expected NotImplementedError")
+    for outs, ins in (([a2a_list_out[0]], a2a_list_out), (a2a_list_out, [a2a_list_out[0]])):
+        try:
+            dist.all_to_all(outs, ins)
+        except ValueError as e:
+            assert f"all_to_all needs {W} tensors per list" in str(e), e
+            errors["all_to_all lengths"] = str(e)
+        else:
+            raise AssertionError("all_to_all with a list of 1 tensor: expected ValueError")
     sub = dist.new_group([0])
     if r == 0:
         try:
