@@ -95,12 +95,12 @@ def scenario_collectives(args):
     coalesced = [a.clone(), a[0].clone()]
     dist.all_reduce_coalesced(coalesced)
     red = a.clone()
-    dist.reduce(red, dst=0)
+    assert dist.reduce(red, dst=0, async_op=True).wait()
     # gathers
     g_list = [to_dev(torch.zeros(3, 4)) for _ in ranks]
-    dist.all_gather(g_list, a)
+    assert dist.all_gather(g_list, a, async_op=True).wait()  # a Work that is already done
     g_cat = to_dev(torch.zeros(3 * W, 4))
-    dist.all_gather_into_tensor(g_cat, a)
+    assert dist.all_gather_into_tensor(g_cat, a, async_op=True).wait()
     g_stack = to_dev(torch.zeros(W, 3, 4))
     dist.all_gather_into_tensor(g_stack, a)
     g_xm = C.all_gather(a, dim=1)
@@ -109,7 +109,7 @@ def scenario_collectives(args):
     # reduce-scatters
     rs_in = [to_dev(per_rank(r + q, (2, 4))) for q in ranks]
     rs_out = to_dev(torch.zeros(2, 4))
-    dist.reduce_scatter(rs_out, rs_in)
+    assert dist.reduce_scatter(rs_out, rs_in, async_op=True).wait()
     big = to_dev(per_rank(r, (2 * W, 3)))
     rs_t = to_dev(torch.zeros(2, 3))
     dist.reduce_scatter_tensor(rs_t, big, op=dist.ReduceOp.MAX)
@@ -118,16 +118,17 @@ def scenario_collectives(args):
     special = torch.tensor([-0.0, float("nan"), float("inf"), 1.5 + r, -2.0])
     bc_f, bc_i, bc_b = to_dev(special), to_dev(ints[r]), to_dev(torch.tensor([r == 1, True]))
     for t in (bc_f, bc_i, bc_b):
-        dist.broadcast(t, src=1)
+        assert dist.broadcast(t, src=1, async_op=True).wait()
     bc_xm = [a.clone()]
     C.collective_broadcast(bc_xm, root_ordinal=0)
     # all-to-all
     a2a_in = to_dev(per_rank(r, (2 * W, 3)))
     a2a_out = to_dev(torch.zeros(2 * W, 3))
-    dist.all_to_all_single(a2a_out, a2a_in)
+    assert dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait()
     a2a_xm = C.all_to_all(to_dev(per_rank(r, (2, 2 * W))), 1, 0, W)
     a2a_list_out = [to_dev(torch.zeros(2)) for _ in ranks]
-    dist.all_to_all(a2a_list_out, [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks])
+    a2a_list_in = [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks]
+    assert dist.all_to_all(a2a_list_out, a2a_list_in, async_op=True).wait()
 
     # the torch_xla API (what recipes call), every reduce type, in-place lists, avg reductions
     xm_single = {op: xm.all_reduce(op, a) for op in ("sum", "mul", "min", "max")}
