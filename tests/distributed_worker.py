@@ -58,6 +58,22 @@ def per_rank(r, shape=(3, 4), dtype=torch.float32):
     return (base * (r + 1) - 3 * r + 0.25).to(dtype)
 
 
+_late = iter(range(1000))
+
+
+def _late_barrier(out, r, barrier):
+    """``barrier()`` must hold rank 0 until the last rank arrives: the last rank comes late and
+    leaves a mark just before it enters, which rank 0 must see once its barrier returns."""
+    mark = os.path.join(out, f"arrived-{next(_late)}")
+    if r == dist.get_world_size() - 1:
+        time.sleep(1.0)
+        with open(mark, "w"):
+            pass
+    barrier()
+    if r == 0:
+        assert os.path.exists(mark), f"{barrier}: rank 0 left before the last rank arrived"
+
+
 def scenario_collectives(args):
     dist.init_process_group(backend="xla", init_method="env://")
     W, r = dist.get_world_size(), dist.get_rank()
@@ -240,7 +256,7 @@ def scenario_collectives(args):
     checks += ["all_to_all"]
 
     # ---- phase 2: host-side sync, CPU tensors, errors ----------------------------------------
-    dist.barrier()
+    _late_barrier(args.out, r, dist.barrier)
     payloads = C.rendezvous("hello", f"rank{r}".encode())
     assert payloads == [f"rank{q}".encode() for q in ranks], payloads
     cpu = torch.full((3,), float(r + 1))
@@ -248,8 +264,8 @@ def scenario_collectives(args):
     close(cpu, torch.full((3,), float(sum(q + 1 for q in ranks))), "all_reduce of a CPU tensor")
     # the group's own monitored_barrier (dist.monitored_barrier itself is gloo-only)
     group = dist.distributed_c10d._get_default_group()
-    group.monitored_barrier()
-    group.monitored_barrier(datetime.timedelta(seconds=60))
+    _late_barrier(args.out, r, group.monitored_barrier)
+    _late_barrier(args.out, r, lambda: group.monitored_barrier(datetime.timedelta(seconds=60)))
     checks += ["barrier", "rendezvous", "cpu_tensor"]
     errors = {}
     for name, call in (
