@@ -154,7 +154,12 @@ def _tree_hash(selection):
     test helpers (the map is reused while they are unchanged)."""
     h = hashlib.sha1(" ".join(selection).encode())
     files = {os.path.join(REPO, t.split("::")[0]) for t in selection}
-    for pattern in ("torchacc/**/*.py", "gallery/**/*.py", "tests/[!t]*.py"):
+    for pattern in (
+        "torchacc/**/*.py",
+        "torchacc_ops/**/*.py",
+        "gallery/**/*.py",
+        "tests/[!t]*.py",
+    ):
         files.update(glob.glob(os.path.join(REPO, pattern), recursive=True))
     for path in sorted(files):
         with open(path, "rb") as f:
@@ -171,6 +176,8 @@ def cover(package, workdir, cache):
         t0 = time.time()
         proc = subprocess.run(cmd, cwd=workdir, env=child_env(workdir, cache))
         if proc.returncode != 0:
+            if os.path.exists(saved):  # never reuse the map of a failed baseline
+                os.remove(saved)
             sys.exit(f"the {package} tests fail without any mutant (rc {proc.returncode})")
         print(f"baseline under coverage: {time.time() - t0:.0f} s")
     with open(saved) as f:
