@@ -105,6 +105,18 @@ def test_rng_takes_every_torch_seed(seed):
     assert not first.equal(torch.rand(8, device=DEV).cpu())
 
 
+@pytest.mark.parametrize("shape", [(3, 4), (2, 0, 3), (1, 5, 1), (), (7,)])
+def test_uploaded_tensors_have_eagers_strides(shape):
+    """A tensor moved to the device is contiguous with eager's strides (size-0 and size-1 dims
+    included), so stride-dependent code (``view``, ``is_contiguous``) behaves as on CPU."""
+    host = torch.randn(shape)
+    t = host.to(DEV)
+    assert t.stride() == host.stride() and t.is_contiguous()
+    torch.testing.assert_close(t.view(-1).cpu(), host.view(-1))
+    if t.dim() >= 2:
+        assert t.transpose(0, 1).contiguous().stride() == host.transpose(0, 1).contiguous().stride()
+
+
 def test_scalar_values_do_not_recompile():
     x = torch.ones(4).to(DEV)
     torchacc.sync()
