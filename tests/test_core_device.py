@@ -111,7 +111,7 @@ def test_uploaded_tensors_have_eagers_strides(shape):
     included), so stride-dependent code (``view``, ``is_contiguous``) behaves as on CPU."""
     host = torch.randn(shape)
     t = host.to(DEV)
-    assert t.stride() == host.stride() and t.is_contiguous()
+    assert t.stride() == host.stride() and t.is_contiguous() and t.storage_offset() == 0
     torch.testing.assert_close(t.view(-1).cpu(), host.view(-1))
     if t.dim() >= 2:
         assert t.transpose(0, 1).contiguous().stride() == host.transpose(0, 1).contiguous().stride()
