@@ -1,5 +1,6 @@
 """Device API, host reads, factories, RNG, fallbacks, metrics and the compile caches."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -107,11 +108,13 @@ def test_rng_takes_every_torch_seed(seed):
 
 @pytest.mark.parametrize("shape", [(3, 4), (2, 0, 3), (1, 5, 1), (), (7,)])
 def test_uploaded_tensors_have_eagers_strides(shape):
-    """A tensor moved to the device is contiguous with eager's strides (size-0 and size-1 dims
-    included), so stride-dependent code (``view``, ``is_contiguous``) behaves as on CPU."""
+    """A tensor moved to the device, or deep-copied there (EMA models, ``copy.deepcopy``), is
+    contiguous with eager's strides (size-0 and size-1 dims included), so stride-dependent code
+    (``view``, ``is_contiguous``) behaves as on CPU."""
     host = torch.randn(shape)
     t = host.to(DEV)
-    assert t.stride() == host.stride() and t.is_contiguous() and t.storage_offset() == 0
+    for u in (t, copy.deepcopy(t)):
+        assert u.stride() == host.stride() and u.is_contiguous() and u.storage_offset() == 0
     torch.testing.assert_close(t.view(-1).cpu(), host.view(-1))
     if t.dim() >= 2:
         assert t.transpose(0, 1).contiguous().stride() == host.transpose(0, 1).contiguous().stride()
