@@ -105,7 +105,7 @@ PACKAGES = {
 # the default --max-test-seconds where 15 s would leave out the tests that matter
 _MAX_TEST_SECONDS = {"distributed": 0.0}
 _COPY = ["torchacc", "tests", "tools", "gallery", "benchmarks", "pyproject.toml"]
-_COPY += ["launch_single_task.py", "torchacc_ops"]
+_COPY += ["launch_single_task.py", "torchacc_ops", "README.md", "docs"]
 
 
 def modules(package):
