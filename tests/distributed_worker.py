@@ -12,6 +12,7 @@ Every scenario checks its results itself (assertions against the math on CPU) an
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import os
@@ -57,6 +58,22 @@ def per_rank(r, shape=(3, 4), dtype=torch.float32):
     return (base * (r + 1) - 3 * r + 0.25).to(dtype)
 
 
+_late = iter(range(1000))
+
+
+def _late_barrier(out, r, barrier):
+    """``barrier()`` must hold rank 0 until the last rank arrives: the last rank comes late and
+    leaves a mark just before it enters, which rank 0 must see once its barrier returns."""
+    mark = os.path.join(out, f"arrived-{next(_late)}")
+    if r == dist.get_world_size() - 1:
+        time.sleep(1.0)
+        with open(mark, "w"):
+            pass
+    barrier()
+    if r == 0:
+        assert os.path.exists(mark), f"{barrier}: rank 0 left before the last rank arrived"
+
+
 def scenario_collectives(args):
     dist.init_process_group(backend="xla", init_method="env://")
     W, r = dist.get_world_size(), dist.get_rank()
@@ -94,12 +111,12 @@ def scenario_collectives(args):
     coalesced = [a.clone(), a[0].clone()]
     dist.all_reduce_coalesced(coalesced)
     red = a.clone()
-    dist.reduce(red, dst=0)
+    assert dist.reduce(red, dst=0, async_op=True).wait()
     # gathers
     g_list = [to_dev(torch.zeros(3, 4)) for _ in ranks]
-    dist.all_gather(g_list, a)
+    assert dist.all_gather(g_list, a, async_op=True).wait()  # a Work that is already done
     g_cat = to_dev(torch.zeros(3 * W, 4))
-    dist.all_gather_into_tensor(g_cat, a)
+    assert dist.all_gather_into_tensor(g_cat, a, async_op=True).wait()
     g_stack = to_dev(torch.zeros(W, 3, 4))
     dist.all_gather_into_tensor(g_stack, a)
     g_xm = C.all_gather(a, dim=1)
@@ -108,7 +125,7 @@ def scenario_collectives(args):
     # reduce-scatters
     rs_in = [to_dev(per_rank(r + q, (2, 4))) for q in ranks]
     rs_out = to_dev(torch.zeros(2, 4))
-    dist.reduce_scatter(rs_out, rs_in)
+    assert dist.reduce_scatter(rs_out, rs_in, async_op=True).wait()
     big = to_dev(per_rank(r, (2 * W, 3)))
     rs_t = to_dev(torch.zeros(2, 3))
     dist.reduce_scatter_tensor(rs_t, big, op=dist.ReduceOp.MAX)
@@ -117,16 +134,17 @@ def scenario_collectives(args):
     special = torch.tensor([-0.0, float("nan"), float("inf"), 1.5 + r, -2.0])
     bc_f, bc_i, bc_b = to_dev(special), to_dev(ints[r]), to_dev(torch.tensor([r == 1, True]))
     for t in (bc_f, bc_i, bc_b):
-        dist.broadcast(t, src=1)
+        assert dist.broadcast(t, src=1, async_op=True).wait()
     bc_xm = [a.clone()]
     C.collective_broadcast(bc_xm, root_ordinal=0)
     # all-to-all
     a2a_in = to_dev(per_rank(r, (2 * W, 3)))
     a2a_out = to_dev(torch.zeros(2 * W, 3))
-    dist.all_to_all_single(a2a_out, a2a_in)
+    assert dist.all_to_all_single(a2a_out, a2a_in, async_op=True).wait()
     a2a_xm = C.all_to_all(to_dev(per_rank(r, (2, 2 * W))), 1, 0, W)
     a2a_list_out = [to_dev(torch.zeros(2)) for _ in ranks]
-    dist.all_to_all(a2a_list_out, [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks])
+    a2a_list_in = [to_dev(torch.full((2,), 10.0 * r + q)) for q in ranks]
+    assert dist.all_to_all(a2a_list_out, a2a_list_in, async_op=True).wait()
 
     # the torch_xla API (what recipes call), every reduce type, in-place lists, avg reductions
     xm_single = {op: xm.all_reduce(op, a) for op in ("sum", "mul", "min", "max")}
@@ -238,12 +256,16 @@ def scenario_collectives(args):
     checks += ["all_to_all"]
 
     # ---- phase 2: host-side sync, CPU tensors, errors ----------------------------------------
-    dist.barrier()
+    _late_barrier(args.out, r, dist.barrier)
     payloads = C.rendezvous("hello", f"rank{r}".encode())
     assert payloads == [f"rank{q}".encode() for q in ranks], payloads
     cpu = torch.full((3,), float(r + 1))
     dist.all_reduce(cpu)
     close(cpu, torch.full((3,), float(sum(q + 1 for q in ranks))), "all_reduce of a CPU tensor")
+    # the group's own monitored_barrier (dist.monitored_barrier itself is gloo-only)
+    group = dist.distributed_c10d._get_default_group()
+    _late_barrier(args.out, r, group.monitored_barrier)
+    _late_barrier(args.out, r, lambda: group.monitored_barrier(datetime.timedelta(seconds=60)))
     checks += ["barrier", "rendezvous", "cpu_tensor"]
     errors = {}
     for name, call in (
@@ -262,6 +284,14 @@ def scenario_collectives(args):
             errors[name] = str(e)
         else:
             raise AssertionError(f"{name}: expected NotImplementedError")
+    for outs, ins in (([a2a_list_out[0]], a2a_list_out), (a2a_list_out, [a2a_list_out[0]])):
+        try:
+            dist.all_to_all(outs, ins)
+        except ValueError as e:
+            assert f"all_to_all needs {W} tensors per list" in str(e), e
+            errors["all_to_all lengths"] = str(e)
+        else:
+            raise AssertionError("all_to_all with a list of 1 tensor: expected ValueError")
     sub = dist.new_group([0])
     if r == 0:
         try:

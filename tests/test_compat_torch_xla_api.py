@@ -418,3 +418,15 @@ def test_xla_init_method_two_processes_under_torchrun(tmp_path):
     for rank in (0, 1):
         out = json.loads((tmp_path / f"r.{rank}.json").read_text())
         assert out == {"rank": rank, "world": 2, "sum": [3.0, 3.0]}
+
+
+def test_one_process_replica_groups():
+    """One process: groups naming only replica 0 are the whole world; a group of two is an error
+    naming the groups (all_reduce, all_gather and reduce_scatter alike)."""
+    import torchacc.torch_xla.core.xla_model as xm
+
+    x = torch.arange(4.0).to(torchacc.device())
+    torch.testing.assert_close(xm.all_reduce("sum", x, groups=[[0]]).cpu(), x.cpu())
+    torch.testing.assert_close(xm.all_gather(x, groups=[[0]]).cpu(), x.cpu())
+    with pytest.raises(ValueError, match=r"replica groups \[\[0, 1\]\] name more replicas"):
+        xm.all_reduce("sum", x, groups=[[0, 1]])

@@ -60,6 +60,28 @@ def _split_write(x, y):
     return x
 
 
+def _split_default_dim(x, y):
+    parts = x.split(1)  # dim 0 when not given
+    parts[2].mul_(-1)
+    x.add_(1)  # every part sees the base's write
+    return x, parts[0].clone(), parts[1].clone(), parts[2].clone()
+
+
+def _split_sizes_and_chunk_default_dim(x, y):
+    a, b = x.split([1, 2])
+    c, d = y.chunk(2)
+    b[1].fill_(7)
+    d.mul_(2)
+    y.sub_(1)
+    return x, y, a.clone(), c.clone(), d.clone()
+
+
+def _empty_views_at_an_offset(x, y):
+    e = x[0:0, 1:2]  # no elements, storage offset 1, row stride 4
+    x[0:0, 1:3].add_(1)  # writes nothing
+    return e + 1, torch.cat([x[2:2, 1:], y[1:, 1:]]), e.sum(), x
+
+
 def _as_strided_write(x, y):
     v = x.as_strided((2, 2), (4, 1), 1)
     v.add_(100)

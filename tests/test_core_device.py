@@ -1,5 +1,6 @@
 """Device API, host reads, factories, RNG, fallbacks, metrics and the compile caches."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -103,6 +104,20 @@ def test_rng_takes_every_torch_seed(seed):
     assert first.equal(torch.rand(8, device=DEV).cpu())
     torch.manual_seed(7)
     assert not first.equal(torch.rand(8, device=DEV).cpu())
+
+
+@pytest.mark.parametrize("shape", [(3, 4), (2, 0, 3), (1, 5, 1), (), (7,)])
+def test_uploaded_tensors_have_eagers_strides(shape):
+    """A tensor moved to the device, or deep-copied there (EMA models, ``copy.deepcopy``), is
+    contiguous with eager's strides (size-0 and size-1 dims included), so stride-dependent code
+    (``view``, ``is_contiguous``) behaves as on CPU."""
+    host = torch.randn(shape)
+    t = host.to(DEV)
+    for u in (t, copy.deepcopy(t)):
+        assert u.stride() == host.stride() and u.is_contiguous() and u.storage_offset() == 0
+    torch.testing.assert_close(t.view(-1).cpu(), host.view(-1))
+    if t.dim() >= 2:
+        assert t.transpose(0, 1).contiguous().stride() == host.transpose(0, 1).contiguous().stride()
 
 
 def test_scalar_values_do_not_recompile():

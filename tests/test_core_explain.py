@@ -168,6 +168,31 @@ def test_unnamed_batch_input_is_batch_input_k():
     assert "input `batch input 0` is f32[9, 16]" in _last_reason()
 
 
+def test_same_op_with_another_argument_is_named():
+    x = torch.randn(5, 17).to(DEV)  # shapes of its own: no graph of another test matches
+    torchacc.sync()
+    for dim in (0, 1):
+        out = x.sum(dim) * 2  # noqa: F841  (alive at the sync: computed by it)
+        torchacc.sync()
+    reason = _last_reason()
+    assert "aten::sum.dim_IntList (op 0" in reason, reason
+    assert "has argument (1,) where the nearest cached graph had (0,)" in reason, reason
+
+
+def test_same_ops_with_other_live_tensors_are_named():
+    x = torch.randn(3, 19).to(DEV)
+    torchacc.sync()
+    kept = []
+    for keep_both in (False, True):
+        y = x * 2
+        z = y + 1
+        kept.append((y, z) if keep_both else z)
+        del y, z
+        torchacc.sync()
+    want = "the same ops, but 2 live tensors to compute vs 1 in the nearest cached graph"
+    assert want in _last_reason(), _last_reason()
+
+
 def test_changed_parameter_is_named_by_its_module_path():
     model = torch.nn.Module()
     for n in (3, 11):

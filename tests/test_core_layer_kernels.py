@@ -53,6 +53,7 @@ BN_CASES = {
     "1d-3d-input": (lambda: nn.BatchNorm1d(3), (4, 3, 7)),
     "1d-2d-input": (lambda: nn.BatchNorm1d(6), (5, 6)),
     "cumulative-momentum": (lambda: nn.BatchNorm2d(3, momentum=None), (2, 3, 4, 4)),
+    "no-running-stats": (lambda: nn.BatchNorm2d(3, track_running_stats=False), (4, 3, 5, 5)),
 }
 
 

@@ -40,7 +40,14 @@ def test_collectives_two_processes(tmp_path):
         assert got["world"] == 2
         assert set(got["checks"]) == EXPECTED_CHECKS, report(proc)
     errors = load(tmp_path, "collectives", 0)["errors"]
-    assert set(errors) == {"all_reduce", "send", "all_to_all_single", "avg", "subgroup"}
+    assert set(errors) == {
+        "all_reduce",
+        "send",
+        "all_to_all_single",
+        "avg",
+        "all_to_all lengths",
+        "subgroup",
+    }
 
 
 # ------------------------------------------------------------------------------------------------
@@ -80,6 +87,65 @@ def test_errors_name_the_op():
     # plain CPU tensors are accepted (torchacc.compile_step steps): one process, local math
     torch.testing.assert_close(C.all_reduce("sum", torch.ones(2), scale=0.5), torch.full((2,), 0.5))
     C.all_reduce("sum", [x], groups=[[0]])  # the whole (one-process) world is fine
+
+
+def test_one_process_results_are_new_tensors():
+    """A single tensor in gives a new tensor out (torch_xla's contract), even in one process: an
+    in-place change of the input afterwards must not show in the result, and vice versa."""
+    x = dev(torch.arange(6.0).reshape(2, 3))
+    want = x.cpu().clone()
+    outs = {
+        "all_reduce": C.all_reduce("sum", x),
+        "all_gather": C.all_gather(x, dim=0),
+        "reduce_scatter": C.reduce_scatter("sum", x, 1.0, 0, 1),
+        "broadcast": C.broadcast(x, 0),
+        "all_to_all": C.all_to_all(x, 0, 0, 1),
+    }
+    x.add_(100.0)
+    for name, y in outs.items():
+        assert y is not x, name
+        torch.testing.assert_close(y.cpu(), want, msg=lambda m, n=name: f"{n}: {m}")
+        y.mul_(0.0)
+    torch.testing.assert_close(x.cpu(), want + 100.0)
+
+
+def test_lists_are_updated_in_place_and_empty_lists_pass_through():
+    empty = []
+    assert C.all_reduce("sum", empty) is empty and C.broadcast(empty) is empty
+    items = [dev(torch.tensor([1.0, -2.0])), dev(torch.tensor([3, 4]))]
+    assert C.broadcast(items, 0) is items
+    assert items[0].cpu().tolist() == [1.0, -2.0] and items[1].cpu().tolist() == [3, 4]
+    outs = [dev(torch.zeros(2)), dev(torch.zeros(3))]
+    got = C.reduce_scatter("sum", [dev(torch.ones(2)), dev(torch.full((3,), 2.0))], output=outs)
+    assert got is outs and outs[1].cpu().tolist() == [2.0, 2.0, 2.0]
+
+
+def test_bad_arguments_raise_naming_the_problem():
+    x = dev(torch.arange(6.0).reshape(2, 3))
+    ints = dev(torch.arange(4))
+    with pytest.raises(NotImplementedError, match=r"scale=0\.5 on a torch\.int64 tensor"):
+        C.all_reduce("sum", ints, scale=0.5)
+    with pytest.raises(NotImplementedError, match=r"scale=2\.0 on a torch\.int64"):
+        C.reduce_scatter("sum", ints, scale=2.0)
+    with pytest.raises(NotImplementedError, match="'and' is supported for bool tensors only"):
+        C.all_reduce("and", ints)
+    with pytest.raises(NotImplementedError, match="complex"):
+        C.all_reduce("sum", dev(torch.ones(2, dtype=torch.complex64)))
+    with pytest.raises(NotImplementedError, match="reduce_scatter: shard_count=2 must equal"):
+        C.reduce_scatter("sum", x, shard_count=2)
+    with pytest.raises(NotImplementedError, match="all_to_all: split_count=2 must equal"):
+        C.all_to_all(x, split_count=2)
+    with pytest.raises(NotImplementedError, match=r"rendezvous: replicas=\[0, 1\]"):
+        C.rendezvous("tag", b"x", replicas=[0, 1])
+    assert C.rendezvous("tag", b"x", replicas=[0]) == [b"x"]  # the whole (one-process) world
+    with pytest.raises(ValueError, match=r"broadcast: src=1 is not a rank in \[0, 1\)"):
+        C.broadcast(x, src=1)
+    with pytest.raises(ValueError, match=r"broadcast: src=-1"):
+        C.broadcast(x, src=-1)
+    with pytest.raises(NotImplementedError, match="reduce_scatter: groups="):
+        C.reduce_scatter("sum", x, groups=[[0], [1]])
+    with pytest.raises(NotImplementedError, match="reduce op .* is unsupported"):
+        C.all_reduce(torch.distributed.ReduceOp.PREMUL_SUM, x)
 
 
 def test_collective_ops_compile_as_spmd_program():

@@ -74,3 +74,5 @@ def test_close_stops_the_worker():
     assert not para._thread.is_alive()
     with pytest.raises(ValueError, match="torchacc device"):
         pl.ParallelLoader([], [torch.device("cpu")])
+    with pytest.raises(ValueError, match="batches_per_execution must be >= 1"):
+        pl.ParallelLoader([], [torchacc.device()], batches_per_execution=0)

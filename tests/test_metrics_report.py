@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+
+import pytest
 import torch
 
 import torchacc
@@ -48,3 +54,38 @@ def test_step_timings_measure_what_the_readme_says():
     assert n == 4 and all(0 < e <= s for e, s in zip(execs, syncs)), (execs, syncs)
     n, total_ns, _ = met.metric_data("ExecuteTime")
     assert n == 4 and abs(total_ns - 1e9 * sum(execs)) < 1e3
+
+
+_TWICE = """
+import json, torch, torchacc
+from torchacc import metrics
+x = torch.arange(7.0).to(torchacc.device())
+y = (x * 3 + 1).sum()
+torchacc.sync()
+c = metrics.counter_value
+print(json.dumps([y.item(), c("UncachedCompile") or 0, c("PersistentCacheHit") or 0]))
+"""
+
+
+@pytest.mark.slow
+def test_second_run_of_a_script_compiles_nothing(tmp_path):
+    """README (TORCHACC_CACHE_DIR): a second run of the same script compiles nothing. The first
+    run of a fresh cache counts its programs as UncachedCompile only; the second finds each on
+    disk and counts it as PersistentCacheHit only."""
+    env = dict(
+        os.environ,
+        JAX_PLATFORMS="cpu",
+        TORCHACC_CACHE_DIR=str(tmp_path / "cache"),
+        PYTHONPATH=os.path.join(os.path.dirname(__file__), ".."),
+    )
+    runs = []
+    for _ in range(2):
+        out = subprocess.run(
+            [sys.executable, "-c", _TWICE], env=env, capture_output=True, text=True, timeout=180
+        )
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    (v1, uncached1, hits1), (v2, uncached2, hits2) = runs
+    assert v1 == v2 == 70.0
+    assert uncached1 >= 1 and hits1 == 0, runs
+    assert uncached2 == 0 and hits2 == uncached1, runs

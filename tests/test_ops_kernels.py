@@ -398,6 +398,23 @@ def test_cross_entropy_matches_reference(reduction, smoothing, chunk):
     _check(fn, ref, [logits, target], [True, False])
 
 
+def test_cross_entropy_label_smoothing_bounds():
+    """label_smoothing is a probability: 1.0 (a uniform target) is accepted and matches
+    F.cross_entropy, loss and gradient; outside [0, 1] is an error naming the argument."""
+    logits, target = _ce_inputs()
+    x = logits.to(DEV).requires_grad_()
+    loss = torchacc_ops.cross_entropy(x, target.to(DEV), label_smoothing=1.0)
+    loss.backward()
+    xr = logits.double().requires_grad_()
+    want = F.cross_entropy(xr.reshape(-1, 12), target.reshape(-1), label_smoothing=1.0)
+    want.backward()
+    torch.testing.assert_close(loss.cpu().double(), want.detach(), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(x.grad.cpu().double(), xr.grad, rtol=2e-5, atol=2e-5)
+    for bad in (1.5, -0.1):
+        with pytest.raises(ValueError, match=f"label_smoothing must be in \\[0, 1\\], got {bad}"):
+            torchacc_ops.cross_entropy(x, target.to(DEV), label_smoothing=bad)
+
+
 def test_cross_entropy_bf16_logits_keep_their_dtype():
     logits, target = _ce_inputs(rows=16, vocab=40)
     x = logits.to(torch.bfloat16).to(DEV).requires_grad_()
