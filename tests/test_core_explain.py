@@ -179,6 +179,16 @@ def test_same_op_with_another_argument_is_named():
     assert "has argument (1,) where the nearest cached graph had (0,)" in reason, reason
 
 
+def test_a_batched_foreach_node_is_named_by_its_op():
+    ts = [torch.randn(7, 29).to(DEV) for _ in range(3)]  # shapes of their own
+    torchacc.sync()
+    for foreach in (torch._foreach_div, torch._foreach_mul):
+        out = foreach(ts, 2.0)  # noqa: F841  (alive at the sync: computed by it)
+        torchacc.sync()
+    reason = _last_reason()
+    assert "aten::mul.Scalar (x3, one batched _foreach_ node)" in reason, reason
+
+
 def test_same_ops_with_other_live_tensors_are_named():
     x = torch.randn(3, 19).to(DEV)
     torchacc.sync()
