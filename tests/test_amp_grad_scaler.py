@@ -12,7 +12,7 @@ from compile_counts import new_graphs
 import torchacc
 from torchacc import metrics
 from torchacc.amp import GradScaler, autocast, syncfree
-from torchacc.amp.grad_scaler import non_finite_check_and_unscale_, update_scale_
+from torchacc.lowering.amp_twins import non_finite_check_and_unscale_, update_scale_
 
 INF_STEPS = {2, 3, 7}
 

@@ -4,8 +4,8 @@ It is ``torch.amp.GradScaler`` whose two device kernels
 (``_amp_foreach_non_finite_check_and_unscale_`` and ``_amp_update_scale_``) are each recorded as
 one node of the step's graph (torchacc/lowering/amp.py), so nothing is read on the host.
 Growth/backoff follow ``torch.amp.GradScaler`` exactly (same float32 scale, int32 growth tracker,
-same order of operations). The same kernels as ordinary ATen ops (``amp_twins``, re-exported
-here) serve ``torchacc.compile_step``.
+same order of operations). The same kernels as ordinary ATen ops
+(torchacc/lowering/amp_twins.py) serve ``torchacc.compile_step``.
 
 ``step(optimizer)``: when ``optimizer.step`` accepts ``found_inf`` (the torchacc/torch_xla syncfree
 optimizers) the combined found-inf tensor is passed and the optimizer skips its update on the
@@ -24,10 +24,6 @@ import torch
 from torch.amp.grad_scaler import _MultiDeviceReplicator
 
 from torchacc.lazy.device import DEVICE_TYPE, register_backend
-from torchacc.lowering.amp_twins import (  # noqa: F401  (re-exported)
-    non_finite_check_and_unscale_,
-    update_scale_,
-)
 
 _FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval", "enabled")
 

@@ -234,7 +234,7 @@ def make_mutation_handler(func, handler_of, fallback):
         return _list_update_handler(func, functional, names, fallback)
 
     if mode == "inplace" and lookup(functional) is not None and len(mutated) > 1:
-        return _multi_write_handler(func, functional, mutated, fallback)
+        return _multi_write_handler(func, functional, mutated, get_arg, fallback)
 
     if mode == "inplace" and lookup(functional) is not None:
 
@@ -342,12 +342,11 @@ def _write_value(t, v, func):
     assign(t, v)
 
 
-def _multi_write_handler(func, functional, positions, fallback):
+def _multi_write_handler(func, functional, positions, get_arg, fallback):
     """In-place ops that write several arguments, tensors or tensor lists
     (``_amp_update_scale_``, ``_amp_foreach_non_finite_check_and_unscale_``): one node of the twin,
     whose outputs are the new values of the written arguments in order, a list giving one output
     per element."""
-    schema_args = func._schema.arguments
     returns_self = len(func._schema.returns) == 1
 
     def handler(_, args, kwargs):
@@ -357,7 +356,7 @@ def _multi_write_handler(func, functional, positions, fallback):
             return fallback(func, args, kwargs)
         targets = []
         for i in positions:
-            a = args[i] if i < len(args) else kwargs[schema_args[i].name]
+            a = get_arg(args, kwargs, i)
             if isinstance(a, (list, tuple)):
                 targets.extend(a)
             else:

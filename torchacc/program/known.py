@@ -89,7 +89,7 @@ class Launch:
 class _Step:
     """The step being recorded."""
 
-    __slots__ = ("base", "pos", "stream", "ops", "ins", "data", "scalars", "known", "why", "used")
+    __slots__ = ("base", "pos", "stream", "ops", "ins", "data", "scalars", "known", "used")
 
     def __init__(self, base, stream):
         self.base = base
@@ -100,7 +100,6 @@ class _Step:
         self.data = []  # data input Values in first-use order
         self.scalars = []  # each position's runtime scalars
         self.known = True  # False: cannot be launched or learnt as a known step
-        self.why = None
         self.used = None  # the stream this step launched or learnt at its mark_step
 
 
@@ -177,7 +176,6 @@ def _diverge(st, s, pos, node, codes):
 
 def _spoil(st, why):
     st.known = False
-    st.why = why
     if _debug():
         print(f"torchacc: known step: not this step: {why}", file=sys.stderr)
 
@@ -200,6 +198,16 @@ def _recorded_stream(st):
     return None
 
 
+def _output_codes(outputs, base):
+    """Which stream node (and output) computes each output: a variant's key."""
+    return tuple([(v.node.spos - base) << _SHIFT | v.index for v in outputs])
+
+
+def _donatable_flags(inputs, held):
+    """Per input, whether no live storage holds it (engine.execute._donatable_fn's rule)."""
+    return tuple([id(v) not in held and id(v.array) not in held for v in inputs])
+
+
 def match(outputs, held, precision_key):
     """The Launch of this step if it is a known step, else None (take the full path).
 
@@ -213,15 +221,14 @@ def match(outputs, held, precision_key):
         return None
     st.stream = s
     base = st.base
-    variant = s.variants.get(tuple([(v.node.spos - base) << _SHIFT | v.index for v in outputs]))
+    variant = s.variants.get(_output_codes(outputs, base))
     if variant is None:
         return None
     data = st.data
     inputs = [data[k] for k in variant.in_pick]
     if [v.desc for v in inputs] != variant.in_descs:
         return None
-    flags = tuple([id(v) not in held and id(v.array) not in held for v in inputs])
-    launch = variant.launches.get((flags, precision_key))
+    launch = variant.launches.get((_donatable_flags(inputs, held), precision_key))
     if launch is None:
         return None
     floats, ints = [], []
@@ -251,7 +258,7 @@ def learn(graph, exe, held, precision_key):
         if len(_streams) > _MAX_STREAMS:
             del _streams[0]
     st.stream, st.ops, st.ins, st.used = s, None, None, s
-    out_codes = tuple([(v.node.spos - base) << _SHIFT | v.index for v in graph.outputs])
+    out_codes = _output_codes(graph.outputs, base)
     data, in_pick = st.data, []
     for v in graph.inputs:
         k = v.sid - base
@@ -271,10 +278,9 @@ def learn(graph, exe, held, precision_key):
             del s.variants[next(iter(s.variants))]
         in_descs = [v.desc for v in graph.inputs]
         variant = s.variants[out_codes] = Variant(in_pick, in_descs, scalar_pos, len(graph.order))
-    flags = tuple([id(v) not in held and id(v.array) not in held for v in graph.inputs])
     if len(variant.launches) >= _MAX_VARIANTS:
         del variant.launches[next(iter(variant.launches))]
-    variant.launches[(flags, precision_key)] = (exe, graph.donate)
+    variant.launches[(_donatable_flags(graph.inputs, held), precision_key)] = (exe, graph.donate)
 
 
 def next_step():
