@@ -205,3 +205,161 @@ def test_folded_casts_leave_float64_alone():
         out = m.to(DEV)(x.to(DEV))
     assert out.dtype == torch.float64  # autocast does not touch float64, folded or not
     torch.testing.assert_close(out.cpu(), want)
+
+
+def _recorded_nodes(monkeypatch):
+    """Every Node recorded from now on (chained in front of the known-steps observer)."""
+    from torchacc.ir import graph
+
+    nodes, observe = [], graph.observe
+
+    def record(node):
+        nodes.append(node)
+        if observe is not None:
+            observe(node)
+
+    monkeypatch.setattr(graph, "observe", record)
+    return nodes
+
+
+@pytest.mark.parametrize("case", ["conv2d", "linear"])
+def test_folded_backward_reuses_the_forward_casts(case, monkeypatch):
+    layer, shape = LAYERS[case]
+    m = layer().to(DEV)
+    xi = torch.randn(*shape).to(DEV).requires_grad_()
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        out = m(xi)
+    loss = out.float().sum()
+    leaves = {id(xi._st.value), id(m.weight._st.value)}
+    nodes = _recorded_nodes(monkeypatch)
+    loss.backward()
+    recast = [
+        n for n in nodes if n.op.rule.name == "aten._to_copy.default" and id(n.inputs[0]) in leaves
+    ]
+    # the backward reads the casts of the input and weight the forward recorded
+    assert recast == [] and any("backward" in n.op.rule.name for n in nodes)
+    assert xi.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
+
+
+def _bn_module_run(device, make, shape, mode=None):
+    torch.manual_seed(0)
+    m = make().to(device)
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(11)).to(device)
+    with mode if mode is not None else torch.enable_grad():
+        out = m(x.requires_grad_())
+    out.sum().backward()
+    return [out.detach().cpu(), x.grad.cpu()] + [b.cpu() for b in m.buffers()]
+
+
+def test_batch_norm_module_skips_functional_batch_norm(monkeypatch):
+    import torch.nn.functional as F
+
+    calls = []
+    batch_norm = F.batch_norm
+    monkeypatch.setattr(F, "batch_norm", lambda *a, **k: calls.append(1) or batch_norm(*a, **k))
+    want = _bn_module_run("cpu", BN_CASES["2d-affine"][0], (4, 3, 5, 5))
+    assert calls == [1]  # the CPU module goes through F.batch_norm ...
+    got = _bn_module_run(DEV, BN_CASES["2d-affine"][0], (4, 3, 5, 5))
+    assert calls == [1]  # ... a torchacc training step does not
+    _close(got, want, 1e-5)
+
+
+def test_batch_norm_module_stats_switched_off_after_construction():
+    def make():
+        m = nn.BatchNorm2d(3)
+        m.track_running_stats = False  # buffers exist but must be neither used nor updated
+        return m
+
+    got = _bn_module_run(DEV, make, (4, 3, 5, 5))
+    want = _bn_module_run("cpu", make, (4, 3, 5, 5))
+    _close(got, want, 1e-5)
+    assert int(got[-1]) == 0  # num_batches_tracked untouched, as eager
+
+
+def test_batch_norm_module_under_a_torch_function_mode_runs_torchs_forward():
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    mode = Seen()
+    got = _bn_module_run(DEV, BN_CASES["2d-affine"][0], (4, 3, 5, 5), mode)
+    assert "batch_norm" in mode.names  # the mode saw the layer, as without torchacc
+    want = _bn_module_run("cpu", BN_CASES["2d-affine"][0], (4, 3, 5, 5))
+    _close(got, want, 1e-5)
+
+
+@pytest.mark.parametrize("device", ["cpu", DEV])
+def test_batch_norm_module_errors_match_torchs(device):
+    m = nn.BatchNorm2d(3).to(device)
+    with pytest.raises(ValueError, match=r"more than 1 value per channel.*\[1, 3, 1, 1\]"):
+        m(torch.randn(1, 3, 1, 1).to(device))
+    with pytest.raises(ValueError, match="expected 4D input"):
+        m(torch.randn(2, 3).to(device))
+    m.eps = 0.0
+    with pytest.raises(ValueError, match="eps must be positive"):
+        m(torch.randn(2, 3, 2, 2).to(device))
+
+
+@pytest.mark.parametrize("case", ["conv2d", "conv1d", "conv3d", "linear"])
+def test_layer_modules_fold_without_the_functional_call(case, monkeypatch):
+    import torch.nn.functional as F
+
+    layer, shape = LAYERS[case]
+    name = "linear" if case == "linear" else case[:6]
+    calls = []
+    functional = getattr(F, name)
+    monkeypatch.setattr(F, name, lambda *a, **k: calls.append(1) or functional(*a, **k))
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(12))
+    out, via_module = _autocast_run(DEV, layer, x)
+    assert calls == [] and out.dtype == torch.bfloat16
+    _, functional_again = _autocast_run(DEV, lambda: _FunctionalForward(layer()), x)
+    for a, e in zip(via_module, functional_again):  # the same folded kernel: bitwise equal
+        torch.testing.assert_close(a, e, rtol=0, atol=0)
+
+
+class _FunctionalForward(nn.Module):
+    """``layer`` called through its functional form (the dispatcher's autocast kernel)."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x):
+        import torch.nn.functional as F
+
+        m = self.layer
+        if isinstance(m, nn.Linear):
+            return F.linear(x, m.weight, m.bias)
+        conv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}[m.weight.dim() - 2]
+        return conv(x, m.weight, m.bias, m.stride, m.padding, m.dilation, m.groups)
+
+
+def test_layer_modules_outside_autocast_or_under_a_mode_take_torchs_path():
+    from torch.overrides import TorchFunctionMode
+
+    class Seen(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            self.names.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    m = nn.Conv2d(3, 4, 3).to(DEV)
+    x = torch.randn(2, 3, 5, 5).to(DEV)
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        with torch.autocast("torchacc", enabled=False):
+            assert m(x).dtype == torch.float32  # autocast switched off inside
+        mode = Seen()
+        with mode:
+            out = m(x)
+    assert "conv2d" in mode.names and out.dtype == torch.bfloat16
+    assert nn.Linear(3, 2)(torch.randn(1, 3)).dtype == torch.float32  # CPU: torch's own path

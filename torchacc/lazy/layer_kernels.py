@@ -9,10 +9,19 @@ autograd_kernels.py):
   writes back from two more tensors: ~6 tensors and 3 dispatches per layer. Here one Function
   records ``_native_batch_norm_legit_functional``, writes the new statistics straight into the
   running buffers' storages and returns one tensor; its backward records
-  ``native_batch_norm_backward`` once.
+  ``native_batch_norm_backward`` once, reading the batch statistics as the forward's Values (no
+  tensors are made for them). ``_BatchNorm.forward`` itself is replaced: a training step on
+  torchacc tensors skips ``F.batch_norm`` and the dispatcher's trip into this file's Python kernel
+  and calls the Function directly, with torch's checks and messages; anything else (CPU tensors,
+  eval mode, no tracked stats, cumulative momentum, an active torch function mode) runs torch's
+  own forward, so other devices and tracers see no change.
 - Convolution and linear under autocast: the autocast kernel casts input, weight and bias with
   ``.to()``, each a dispatched op with its own tensor and autograd node, and each gradient is cast
-  back in the backward. The folded kernels record those casts as graph nodes inside one Function.
+  back in the backward. The folded kernels record those casts as graph nodes inside one Function;
+  the backward reads the forward's casts instead of recording them again. ``nn.Conv1d/2d/3d``
+  and ``nn.Linear`` call them straight from the module under autocast, without the dispatcher's
+  trip into autocast's Python kernel (which calls the same functions); anything else runs torch's
+  own forward.
 
 The program XLA sees is node for node the one the composites record, so numerics do not change.
 With ``create_graph=True`` the backwards run differentiable ops instead, so double backward works.
@@ -22,8 +31,11 @@ while dynamo traces) takes torch's own path.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.mutation import assign
 from torchacc.lazy.record import VRef, fresh, record_values
 from torchacc.lazy.tensor import LazyTensor
@@ -56,16 +68,21 @@ class _BatchNormTrain(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, running_mean, running_var, momentum, eps):
         vals = _bn_record(input, weight, bias, running_mean, running_var, momentum, eps)
-        ctx.save_for_backward(input, weight, fresh(vals[1]), fresh(vals[2]))
+        ctx.save_for_backward(input, weight)
+        # the batch statistics are the forward's own values: kept as such, no tensors made
+        ctx.stats = (VRef(vals[1], vals[1].desc), VRef(vals[2], vals[2].desc))
         ctx.eps = eps
         return fresh(vals[0])
 
     @staticmethod
     def backward(ctx, grad):
-        input, weight, mean, invstd = ctx.saved_tensors
+        input, weight = ctx.saved_tensors
         mask = list(ctx.needs_input_grad[:3])
-        args = (grad, input, weight, None, None, mean, invstd, True, ctx.eps, mask)
+        mean, invstd = ctx.stats
         if torch.is_grad_enabled():  # create_graph=True: a differentiable op
+            mean, invstd = fresh(mean.value), fresh(invstd.value)
+        args = (grad, input, weight, None, None, mean, invstd, True, ctx.eps, mask)
+        if torch.is_grad_enabled():
             grads = _bn_backward(*args)
         else:
             vals = record_values(_bn_backward, args, {})[0]
@@ -85,16 +102,51 @@ def _batch_norm(
         return _batch_norm_op.decompose(
             input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
         )
-    if torch.is_grad_enabled() and (
-        input.requires_grad
-        or (weight is not None and weight.requires_grad)
-        or (bias is not None and bias.requires_grad)
-    ):
+    return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps)
+
+
+def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps):
+    if _needs_grad(input, weight, bias):
         return _BatchNormTrain.apply(input, weight, bias, running_mean, running_var, momentum, eps)
     return fresh(_bn_record(input, weight, bias, running_mean, running_var, momentum, eps)[0])
 
 
 _lib.impl(_batch_norm_op, _batch_norm, "AutogradPrivateUse1")
+
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+_torch_batch_norm_forward = _BatchNorm.forward
+_has_torch_function = torch._C._has_torch_function
+
+
+def _batch_norm_module_forward(self, input):
+    """``_BatchNorm.forward``; a training step on torchacc tensors skips ``F.batch_norm`` and the
+    dispatcher (Note [Layer kernels]). Anything else runs torch's own forward."""
+    running_mean, running_var = self.running_mean, self.running_var
+    weight, bias, momentum = self.weight, self.bias, self.momentum
+    counter = self.num_batches_tracked
+    if (
+        type(input) is not LazyTensor
+        or not (self.training and self.track_running_stats)
+        or type(running_mean) is not LazyTensor
+        or type(running_var) is not LazyTensor
+        or counter is None
+        or momentum is None
+        or _has_torch_function((input, running_mean, running_var, weight, bias))
+    ):
+        return _torch_batch_norm_forward(self, input)
+    self._check_input_dim(input)
+    counter.add_(1)
+    shape = input.shape
+    if shape[0] * math.prod(shape[2:]) == 1:  # F.batch_norm's check and message
+        raise ValueError(
+            f"Expected more than 1 value per channel when training, got input size {shape}"
+        )
+    if self.eps <= 0.0:
+        raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
+    return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, self.eps)
+
+
+_BatchNorm.forward = _batch_norm_module_forward
 
 # --- casts folded into convolution and linear (autocast) -----------------------------------
 
@@ -112,10 +164,25 @@ def _cast(t, dtype):
     return VRef(val, val.desc)
 
 
-def _record_cast(op, dtype, tensors, rest=()):
-    """One fresh tensor: ``op`` recorded on ``tensors`` cast to ``dtype``, then ``rest``."""
-    args = (*[_cast(t, dtype) for t in tensors], *rest)
-    return fresh(record_values(op, args, {})[0][0])
+def _record_cast(op, dtype, tensors, rest=(), ctx=None):
+    """One fresh tensor: ``op`` recorded on ``tensors`` cast to ``dtype``, then ``rest``.
+
+    With ``ctx`` (a Function's), the casts of the first two tensors are kept for its backward,
+    which reads the same cast values instead of recording the casts again."""
+    casts = [_cast(t, dtype) for t in tensors]
+    if ctx is not None:  # None where no cast was needed
+        ctx.casts = [c if c is not t else None for c, t in zip(casts[:2], tensors)]
+    return fresh(record_values(op, (*casts, *rest), {})[0][0])
+
+
+def _saved_casts(ctx, input, weight):
+    """The forward's casts of ``input`` and ``weight``, or the saved tensors where none was needed
+    (read after ``ctx.saved_tensors``, so autograd's in-place check still runs)."""
+    cast_input, cast_weight = ctx.casts
+    return (
+        input if cast_input is None else cast_input,
+        weight if cast_weight is None else cast_weight,
+    )
 
 
 def _cast_back(val, dtype):
@@ -136,7 +203,7 @@ class _CastConvolution(torch.autograd.Function):
     def forward(ctx, input, weight, bias, dtype, params):
         ctx.save_for_backward(input, weight, bias)
         ctx.dtype, ctx.params = dtype, params
-        return _record_cast(_convolution, dtype, (input, weight, bias), params)
+        return _record_cast(_convolution, dtype, (input, weight, bias), params, ctx)
 
     @staticmethod
     def backward(ctx, grad):
@@ -155,7 +222,7 @@ class _CastConvolution(torch.autograd.Function):
                 None,
                 None,
             )
-        args = (grad, _cast(input, dtype), _cast(weight, dtype), bias_sizes, *ctx.params, needs)
+        args = (grad, *_saved_casts(ctx, input, weight), bias_sizes, *ctx.params, needs)
         vals = record_values(_convolution_backward, args, {})[0]
         return (*_grads_back(vals, (input, weight, bias), needs), None, None)
 
@@ -165,7 +232,7 @@ class _CastLinear(torch.autograd.Function):
     def forward(ctx, input, weight, bias, dtype):
         ctx.save_for_backward(input, weight, bias)
         ctx.dtype = dtype
-        return _record_cast(ops.linear, dtype, (input, weight, bias))
+        return _record_cast(ops.linear, dtype, (input, weight, bias), ctx=ctx)
 
     @staticmethod
     def backward(ctx, grad):
@@ -183,9 +250,7 @@ class _CastLinear(torch.autograd.Function):
                 *[g if g is None else g.to(t.dtype) for g, t in zip(grads, ctx.saved_tensors)],
                 None,
             )
-        vals = record_values(
-            ops.linear_backward, (grad, _cast(input, dtype), _cast(weight, dtype)), {}
-        )[0]
+        vals = record_values(ops.linear_backward, (grad, *_saved_casts(ctx, input, weight)), {})[0]
         return (*_grads_back(vals, (input, weight, bias), needs), None)
 
 
@@ -255,3 +320,51 @@ FOLDED_CASTS = {
     aten.convolution.default: _convolution_folded,
     aten.linear.default: _linear_folded,
 }
+
+# --- the modules: no dispatcher trip for a torchacc layer under autocast -------------------------
+
+_AUTOCAST_KEY = torch._C.DispatchKey.AutocastPrivateUse1
+_autocast_off = torch._C._dispatch_tls_is_dispatch_key_excluded
+
+
+def _module_autocast_dtype(input, weight, bias):
+    """The dtype autocast would cast this torchacc layer to, or None where the module must run
+    torch's own forward (not torchacc tensors, autocast off, a torch function mode active)."""
+    if (
+        type(input) is not LazyTensor
+        or _autocast_off(_AUTOCAST_KEY)  # how autocast itself is switched off
+        or _has_torch_function((input, weight, bias))
+    ):
+        return None
+    return torch.get_autocast_dtype(DEVICE_TYPE)
+
+
+def _folding_conv_forward(torch_conv_forward):
+    def _conv_forward(self, input, weight, bias):
+        dtype = _module_autocast_dtype(input, weight, bias)
+        if dtype is not None and self.padding_mode == "zeros":
+            args = (self.stride, self.padding, self.dilation, self.groups)
+            out = _conv_nd(dtype, input, weight, bias, *args)
+            if out is not None:
+                return out
+        return torch_conv_forward(self, input, weight, bias)
+
+    return _conv_forward
+
+
+def _folding_linear_forward(torch_linear_forward):
+    def forward(self, input):
+        weight, bias = self.weight, self.bias
+        dtype = _module_autocast_dtype(input, weight, bias)
+        if dtype is not None:
+            out = _linear_folded(dtype, input, weight, bias)
+            if out is not None:
+                return out
+        return torch_linear_forward(self, input)
+
+    return forward
+
+
+for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+    _conv._conv_forward = _folding_conv_forward(_conv._conv_forward)
+torch.nn.Linear.forward = _folding_linear_forward(torch.nn.Linear.forward)

@@ -191,8 +191,12 @@ def _scan(a, lift, inputs, scalars, sig, func):
             sig.append(a)
     elif tp is list or tp is tuple:
         if a and not isinstance(a[0], (int, float, bool)):
-            for x in a:
-                _scan(x, lift, inputs, scalars, sig, func)
+            for x in a:  # tensor lists (foreach, fused optimizers): base tensors inline
+                if type(x) is LazyTensor and x._view is None:
+                    inputs.append(x._st.value)
+                    sig.append(x._desc)
+                else:
+                    _scan(x, lift, inputs, scalars, sig, func)
             sig.append(len(a))
         elif lift:
             for x in a:
