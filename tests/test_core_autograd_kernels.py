@@ -78,3 +78,17 @@ def test_linear_bad_input_names_the_problem():
         F.linear(x, w)
     with pytest.raises(RuntimeError, match="torchacc.linear"):
         F.linear(x, torch.randn(4, 5, dtype=torch.float64).to(DEV))
+
+
+def test_function_transforms_through_torchacc_layers_match_cpu():
+    # torchacc's autograd Functions skip Function.apply's Python preamble except under a functorch
+    # transform (record.direct_apply): torch.func.grad must still see them
+    torch.manual_seed(0)
+    w, x = torch.randn(3, 4), torch.randn(2, 4)
+
+    def loss(w, x):
+        return (torch.nn.functional.linear(x, w) ** 2).sum()
+
+    want = torch.func.grad(loss)(w, x)
+    got = torch.func.grad(loss)(w.to(torchacc.device()), x.to(torchacc.device()))
+    torch.testing.assert_close(got.cpu(), want, rtol=1e-5, atol=1e-5)

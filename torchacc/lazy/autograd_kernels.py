@@ -14,6 +14,7 @@ double backward works. ``F.scaled_dot_product_attention`` is routed to the fused
 import torch
 
 from torchacc.lazy import fused_kernels
+from torchacc.lazy.record import direct_apply
 from torchacc.lowering import custom_ops as ops
 
 _lib = torch.library.Library("aten", "IMPL")
@@ -46,11 +47,14 @@ class _Linear(torch.autograd.Function):
         )
 
 
+_linear_apply = direct_apply(_Linear)
+
+
 def _linear(input, weight, bias=None):
     if torch.is_grad_enabled() and (
         input.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad)
     ):
-        return _Linear.apply(input, weight, bias)
+        return _linear_apply(input, weight, bias)
     return ops.linear(input, weight, bias)
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch.autograd.function import once_differentiable
 
+from torchacc.lazy.record import direct_apply
 from torchacc.lowering import fused_ops as ops
 
 _REDUCTIONS = {"none": 0, "mean": 1, "sum": 2}
@@ -50,13 +51,16 @@ class _Attention(torch.autograd.Function):
         return dq, dk, dv, dmask, None, None, None
 
 
+_attention_apply = direct_apply(_Attention)
+
+
 def attention(q, k, v, mask=None, dropout_p=0.0, is_causal=False, scale=None):
     """Attention of torchacc tensors (B, H, L, D), GQA when k/v have fewer heads; ``mask``: bool
     (True = attend) or additive, broadcastable to (B, H, L, S)."""
     dropout_p = float(dropout_p)
     scale = None if scale is None else float(scale)
     if _needs_grad(q, k, v, mask):
-        return _Attention.apply(q, k, v, mask, dropout_p, bool(is_causal), scale)
+        return _attention_apply(q, k, v, mask, dropout_p, bool(is_causal), scale)
     if dropout_p:
         return ops.attention_dropout(q, k, v, mask, dropout_p, bool(is_causal), scale, False)[0]
     return ops.attention(q, k, v, mask, dropout_p, bool(is_causal), scale, False)[0]
@@ -82,13 +86,16 @@ class _RMSNorm(torch.autograd.Function):
         return dx, dw, None
 
 
+_rms_norm_apply = direct_apply(_RMSNorm)
+
+
 def rms_norm(x, weight=None, eps=None):
     """RMSNorm over the last dimension, in x's dtype (as ``F.rms_norm``); ``eps=None``: the
     dtype's machine epsilon, as ``F.rms_norm``."""
     if eps is None:
         eps = torch.finfo(x.dtype).eps
     if _needs_grad(x, weight):
-        return _RMSNorm.apply(x, weight, float(eps))
+        return _rms_norm_apply(x, weight, float(eps))
     return ops.rms_norm(x, weight, float(eps))[0]
 
 
@@ -112,9 +119,12 @@ class _Rotary(torch.autograd.Function):
         return ops.rotary_backward(grad, x, cos, sin, mask)
 
 
+_rotary_apply = direct_apply(_Rotary)
+
+
 def rotary(x, cos, sin):
     if _needs_grad(x, cos, sin):
-        return _Rotary.apply(x, cos, sin)
+        return _rotary_apply(x, cos, sin)
     return ops.rotary(x, cos, sin)
 
 
@@ -135,9 +145,12 @@ class _SwiGLU(torch.autograd.Function):
         return ops.swiglu_backward(grad, gate, up)
 
 
+_swiglu_apply = direct_apply(_SwiGLU)
+
+
 def swiglu(gate, up):
     if _needs_grad(gate, up):
-        return _SwiGLU.apply(gate, up)
+        return _swiglu_apply(gate, up)
     return ops.swiglu(gate, up)
 
 
@@ -160,6 +173,9 @@ class _CrossEntropy(torch.autograd.Function):
         return ops.cross_entropy_backward(grad, logits, target, lse, *ctx.args), None, None
 
 
+_cross_entropy_apply = direct_apply(_CrossEntropy)
+
+
 def cross_entropy(
     logits, target, ignore_index=-100, reduction="mean", label_smoothing=0.0, chunk=0
 ):
@@ -176,5 +192,5 @@ def cross_entropy(
         )
     args = (int(ignore_index), float(label_smoothing), _REDUCTIONS[reduction], int(chunk))
     if _needs_grad(logits):
-        return _CrossEntropy.apply(logits, target, args)
+        return _cross_entropy_apply(logits, target, args)
     return ops.cross_entropy(logits, target, *args)[0]

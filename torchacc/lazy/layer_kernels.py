@@ -37,7 +37,7 @@ import torch
 
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.mutation import assign
-from torchacc.lazy.record import VRef, fresh, record_values
+from torchacc.lazy.record import VRef, direct_apply, fresh, record_values
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import custom_ops as ops
 
@@ -90,6 +90,9 @@ class _BatchNormTrain(torch.autograd.Function):
         return grads[0], grads[1], grads[2], None, None, None, None
 
 
+_batch_norm_apply = direct_apply(_BatchNormTrain)
+
+
 def _batch_norm(
     input, weight, bias, running_mean, running_var, training, momentum, eps, cudnn_enabled
 ):
@@ -107,7 +110,7 @@ def _batch_norm(
 
 def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, eps):
     if _needs_grad(input, weight, bias):
-        return _BatchNormTrain.apply(input, weight, bias, running_mean, running_var, momentum, eps)
+        return _batch_norm_apply(input, weight, bias, running_mean, running_var, momentum, eps)
     return fresh(_bn_record(input, weight, bias, running_mean, running_var, momentum, eps)[0])
 
 
@@ -254,6 +257,10 @@ class _CastLinear(torch.autograd.Function):
         return (*_grads_back(vals, (input, weight, bias), needs), None)
 
 
+_convolution_apply = direct_apply(_CastConvolution)
+_linear_apply = direct_apply(_CastLinear)
+
+
 def _foldable(*tensors):
     return all(t is None or (type(t) is LazyTensor and t.dtype in _FOLDABLE) for t in tensors)
 
@@ -267,7 +274,7 @@ def _fold_convolution(
 ):
     params = (list(stride), list(padding), list(dilation), transposed, list(out_pad), groups)
     if _needs_grad(input, weight, bias):
-        return _CastConvolution.apply(input, weight, bias, dtype, params)
+        return _convolution_apply(input, weight, bias, dtype, params)
     return _record_cast(_convolution, dtype, (input, weight, bias), params)
 
 
@@ -307,7 +314,7 @@ def _linear_folded(dtype, input, weight, bias=None):
     if not _foldable(input, weight, bias):
         return None
     if _needs_grad(input, weight, bias):
-        return _CastLinear.apply(input, weight, bias, dtype)
+        return _linear_apply(input, weight, bias, dtype)
     return _record_cast(ops.linear, dtype, (input, weight, bias))
 
 
