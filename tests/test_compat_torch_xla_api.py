@@ -359,8 +359,12 @@ def test_call_jax():
 
     from torchacc.torch_xla.core import xla_builder as xb
 
+    from torchacc import metrics
+
     a = torch.arange(4.0, device=torchacc.device()) + 1
+    calls = metrics.counter_value("CallJax") or 0
     out = xb.call_jax(lambda x, y: (jnp.sin(x) * y, x.sum()), (a, 2.0))
+    assert metrics.counter_value("CallJax") == calls + 2  # one per JAX array handed back
     torch.testing.assert_close(out[0].cpu(), torch.sin(torch.arange(4.0) + 1) * 2)
     assert out[1].cpu().item() == 10.0 and out[0].device.type == "torchacc"
     with pytest.raises(NotImplementedError, match="call_jax"):
