@@ -282,6 +282,14 @@ _GC_SCRIPT = textwrap.dedent("""
         w.add_(1.0)
         torchacc.sync()
         print("FROZEN", step, gc.get_freeze_count() > base)
+    young = []
+    for step in range(4):  # a step allocating ~3,000 objects (held until the sync)
+        parts = [w * float(i) for i in range(300)]
+        torchacc.sync()
+        del parts
+        if step == 0:  # compiled: count the cached steps' collections
+            gc.callbacks.append(lambda phase, info: phase == "start" and young.append(info))
+    print("THRESHOLD", gc.get_threshold()[0], "COLLECTIONS", len(young))
 """)
 
 
@@ -296,6 +304,11 @@ def test_gc_freeze_after_first_cached_step(setting):
     # step 0 compiles, step 1 reuses the executable: freeze then (unless turned off)
     want = [False, True, True] if not setting else [False, False, False]
     assert frozen == want, f"stdout:\n{out.stdout}\nstderr:\n{out.stderr[-3000:]}"
+    threshold, collections = out.stdout.split("THRESHOLD")[1].split()[::2]
+    if setting:  # Python's defaults: young collections every 700 net allocations
+        assert threshold == "700" and int(collections) > 0
+    else:  # raised at the freeze: a cached step of ~3,000 live objects runs no collection
+        assert threshold == "10000" and collections == "0"
 
 
 @pytest.mark.parametrize("seed", [0, 1, 1234, 2**32 + 5, 2**63 - 1, 2**63, 2**64 - 1, -5])
