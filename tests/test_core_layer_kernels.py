@@ -90,6 +90,12 @@ def test_batch_norm_is_one_node_and_one_autograd_function():
     assert m.running_mean._st.value.node is node and m.running_mean._st.value.index == 3
     assert m.running_var._st.value.node is node and m.running_var._st.value.index == 4
     assert m.running_mean._version > version  # an in-place update, as eager's
+    # the batch counter: the same op the in-place dispatch records, and a version bump
+    counter = m.num_batches_tracked
+    counted = counter._st.value.node.op
+    counter.add_(1)
+    assert counter._st.value.node.op is counted and counter._version == 2
+    assert int(counter.cpu()) == 2
     assert type(out.grad_fn).__name__ == "_BatchNormTrainBackward"
     out.sum().backward()
     assert x.grad._st.value.node.op.rule.name == "aten.native_batch_norm_backward.default"

@@ -116,6 +116,19 @@ def _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, 
 
 _lib.impl(_batch_norm_op, _batch_norm, "AutogradPrivateUse1")
 
+_add = aten.add.Tensor
+
+
+def _count_batch(counter):
+    """``counter.add_(1)``: the node the dispatcher's in-place path records, minus its dispatch."""
+    if type(counter) is not LazyTensor or counter._view is not None or _inference_mode():
+        counter.add_(1)
+        return
+    assign(counter, record_values(_add, (counter, 1), {})[0][0])
+    _increment_version(counter)
+
+
+_inference_mode = torch.is_inference_mode_enabled
 _BatchNorm = torch.nn.modules.batchnorm._BatchNorm
 _torch_batch_norm_forward = _BatchNorm.forward
 _has_torch_function = torch._C._has_torch_function
@@ -138,7 +151,7 @@ def _batch_norm_module_forward(self, input):
     ):
         return _torch_batch_norm_forward(self, input)
     self._check_input_dim(input)
-    counter.add_(1)
+    _count_batch(counter)
     shape = input.shape
     if shape[0] * math.prod(shape[2:]) == 1:  # F.batch_norm's check and message
         raise ValueError(
