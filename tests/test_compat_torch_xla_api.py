@@ -70,6 +70,10 @@ def test_spmd_mesh_of_this_process_and_replicated_annotations():
         assert xs.get_1d_mesh("data").axis_names == ("data",)
         jm = mesh.get_jax_mesh()
         assert jm.devices.shape == (1, 1) and jm.axis_names == ("fsdp", "tensor")
+        u, v = torch.ones(2).to(torchacc.device()), torch.zeros(3).to(torchacc.device())
+        a, b = xs.shard_as(u, v)
+        assert a is u and b is v  # both replicated: returned as they are
+        assert xs.wrap_if_sharded(u) is u
     finally:
         xs.set_global_mesh(None)
     with pytest.raises(ValueError, match="2 device ids"):
@@ -357,9 +361,8 @@ def test_experimental_backends_runtime_and_test_utils(capsys, monkeypatch):
 def test_call_jax():
     import jax.numpy as jnp
 
-    from torchacc.torch_xla.core import xla_builder as xb
-
     from torchacc import metrics
+    from torchacc.torch_xla.core import xla_builder as xb
 
     a = torch.arange(4.0, device=torchacc.device()) + 1
     calls = metrics.counter_value("CallJax") or 0
@@ -397,7 +400,14 @@ def test_xla_init_method_one_process(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads((tmp_path / "r.0.json").read_text())
-    assert out == {"rank": 0, "world": 1, "sum": [1.0, 1.0]}
+    assert out == {
+        "rank": 0,
+        "world": 1,
+        "sum": [1.0, 1.0],
+        "process": [0, 1],
+        "payloads": ["from 0"],
+        "saved": [1.0, 1.0],
+    }
 
 
 @pytest.mark.slow
@@ -421,7 +431,16 @@ def test_xla_init_method_two_processes_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     for rank in (0, 1):
         out = json.loads((tmp_path / f"r.{rank}.json").read_text())
-        assert out == {"rank": rank, "world": 2, "sum": [3.0, 3.0]}
+        # every rank gets every rank's payload, in rank order; the file xm.save wrote (rank 0
+        # only) is complete when any rank passes the save's rendezvous
+        assert out == {
+            "rank": rank,
+            "world": 2,
+            "sum": [3.0, 3.0],
+            "process": [rank, 2],
+            "payloads": ["from 0", "from 1"],
+            "saved": [3.0, 3.0],
+        }
 
 
 def test_one_process_replica_groups():

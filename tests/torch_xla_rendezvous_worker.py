@@ -1,5 +1,6 @@
-"""An unchanged torch_xla script: init_process_group("xla", init_method="xla://"), then one
-all_reduce. Run by tests/test_compat_torch_xla_api.py (1 process and torchrun with 2)."""
+"""An unchanged torch_xla script: init_process_group("xla", init_method="xla://"), one
+all_reduce, an ``xm.rendezvous`` with payloads, and an ``xm.save`` by the master. Run by
+tests/test_compat_torch_xla_api.py (1 process and torchrun with 2)."""
 
 import json
 import sys
@@ -7,6 +8,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch_xla
+import torch_xla.core.xla_model as xm
 import torch_xla.distributed.xla_backend  # noqa: F401
 import torch_xla.runtime as xr
 
@@ -14,7 +16,16 @@ dist.init_process_group("xla", init_method="xla://")
 t = torch.full((2,), float(xr.global_ordinal() + 1), device=torch_xla.device())
 dist.all_reduce(t)
 torch_xla.sync()
-out = {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t.cpu().tolist()}
+payloads = xm.rendezvous("payloads", f"from {xr.process_index()}".encode())
+xm.save({"t": t}, f"{sys.argv[1]}.saved.pt")  # the master writes, every rank waits for it
+out = {
+    "rank": dist.get_rank(),
+    "world": dist.get_world_size(),
+    "sum": t.cpu().tolist(),
+    "process": [xr.process_index(), xr.process_count()],
+    "payloads": [p.decode() for p in payloads],
+    "saved": torch.load(f"{sys.argv[1]}.saved.pt")["t"].tolist(),
+}
 dist.destroy_process_group()
 with open(f"{sys.argv[1]}.{out['rank']}.json", "w") as f:
     json.dump(out, f)
