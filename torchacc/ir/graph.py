@@ -142,8 +142,15 @@ def live_storages():
     key -- in every run and on every rank of a multi-process job (Note [Multi-process programs] in
     torchacc/distributed).
     """
-    _prune()
-    return [st for st in (r() for r in _refs) if st is not None]
+    alive, live = [], []  # one pass: prune the dead references and collect the live storages
+    for r in _refs:
+        st = r()
+        if st is not None:
+            alive.append(r)
+            live.append(st)
+    _refs[:] = alive
+    _prune_at[0] = max(4096, 2 * len(alive))
+    return live
 
 
 # --------------------------------------------------------------------------------------------
