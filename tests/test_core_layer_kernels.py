@@ -369,3 +369,48 @@ def test_layer_modules_outside_autocast_or_under_a_mode_take_torchs_path():
             out = m(x)
     assert "conv2d" in mode.names and out.dtype == torch.bfloat16
     assert nn.Linear(3, 2)(torch.randn(1, 3)).dtype == torch.float32  # CPU: torch's own path
+
+
+def _relu_chain(device, inplace, create_graph=False, view=False):
+    torch.manual_seed(0)
+    w = torch.randn(3, 4).to(device).requires_grad_()
+    a = w * 2.0 - 0.5
+    out = nn.ReLU(inplace=inplace)(a[1:] if view else a)
+    loss = (out * out * w[: out.shape[0]]).sum()
+    (g,) = torch.autograd.grad(loss, [w], create_graph=create_graph)
+    if create_graph:
+        (g,) = torch.autograd.grad((g * g).sum(), [w])
+    return out, [out.detach().cpu(), g.cpu(), torch.tensor([a._version, out._version])]
+
+
+@pytest.mark.parametrize("inplace", [True, False])
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_relu_module_matches_eager(inplace, create_graph):
+    out, got = _relu_chain(DEV, inplace, create_graph)
+    assert type(out.grad_fn).__name__ == "_ReLUBackward"  # one Function, no saved-output detach
+    _, want = _relu_chain("cpu", inplace, create_graph)
+    for a, e in zip(got, want):  # values, gradients and version counters
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+
+
+def test_relu_module_on_a_view_or_leaf_or_without_grad_takes_torchs_path():
+    out, got = _relu_chain(DEV, True, view=True)  # in place on a view: torch's relu_
+    assert type(out.grad_fn).__name__ != "_ReLUBackward"
+    for a, e in zip(got, _relu_chain("cpu", True, view=True)[1]):
+        torch.testing.assert_close(a, e, rtol=1e-6, atol=1e-6)
+    for device in ("cpu", DEV):  # a leaf that needs grad: torch's error, on both devices
+        with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):
+            nn.ReLU(inplace=True)(torch.ones(2).to(device).requires_grad_())
+    with torch.no_grad():
+        x = torch.tensor([-1.0, 2.0]).to(DEV)
+        assert nn.ReLU(inplace=True)(x) is x and x.cpu().tolist() == [0.0, 2.0]
+
+
+@pytest.mark.parametrize("device", ["cpu", DEV])
+def test_relu_output_changed_in_place_refuses_backward_as_eager(device):
+    w = torch.randn(3).to(device).requires_grad_()
+    out = nn.ReLU()(w * 2.0)
+    loss = (out * 3.0).sum()  # a backward that needs relu's saved output
+    out.add_(1.0)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()

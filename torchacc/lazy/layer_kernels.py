@@ -1,4 +1,4 @@
-"""Batch norm, and convolution/linear under autocast, as one autograd Function each.
+"""Batch norm, ReLU, and convolution/linear under autocast, as one autograd Function each.
 
 Note [Layer kernels]
 Host cost per step is paid per dispatched op, per tensor made and per autograd node; these layers
@@ -22,6 +22,11 @@ autograd_kernels.py):
   and ``nn.Linear`` call them straight from the module under autocast, without the dispatcher's
   trip into autocast's Python kernel (which calls the same functions); anything else runs torch's
   own forward.
+- ``nn.ReLU`` on a torchacc tensor that needs a gradient: torch's ``relu``/``relu_`` autograd
+  saves the output tensor, and saving a torchacc tensor costs a ``detach`` dispatch and a tensor.
+  ``_ReLU`` records ``relu`` (writing it back for ``inplace=True``, with ``mark_dirty``) and its
+  backward reads the output's Value; it refuses a backward through an output changed in place
+  since, as eager autograd does.
 
 The program XLA sees is node for node the one the composites record, so numerics do not change.
 With ``create_graph=True`` the backwards run differentiable ops instead, so double backward works.
@@ -32,6 +37,7 @@ while dynamo traces) takes torch's own path.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 
@@ -388,3 +394,66 @@ def _folding_linear_forward(torch_linear_forward):
 for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
     _conv._conv_forward = _folding_conv_forward(_conv._conv_forward)
 torch.nn.Linear.forward = _folding_linear_forward(torch.nn.Linear.forward)
+
+
+# --- ReLU ------------------------------------------------------------------------------------
+
+_relu = aten.relu.default
+_threshold_backward = aten.threshold_backward.default
+
+
+class _ReLU(torch.autograd.Function):
+    """``nn.ReLU`` as one Function: its backward reads the forward's output Value. torch's own
+    ``relu``/``relu_`` autograd saves the output tensor, which for a torchacc tensor costs a
+    ``detach`` dispatch and one more tensor per layer."""
+
+    @staticmethod
+    def forward(ctx, input, inplace):
+        val = record_values(_relu, (input,), {})[0][0]
+        ctx.result = VRef(val, val.desc)
+        if inplace:
+            assign(input, val)
+            ctx.mark_dirty(input)
+            out = input
+        else:
+            out = fresh(val)
+        ctx.out = weakref.ref(out)  # its version is taken once apply returns (_relu_forward)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = ctx.out()
+        if out is not None and out._version != ctx.version:
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: [torchacc tensor {list(out.shape)}], which is the output of "
+                f"nn.ReLU, is at version {out._version}; expected version {ctx.version} instead."
+            )
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable op
+            return _threshold_backward(grad, fresh(ctx.result.value), 0), None
+        return fresh(record_values(_threshold_backward, (grad, ctx.result, 0), {})[0][0]), None
+
+
+_relu_apply = direct_apply(_ReLU)
+_torch_relu_forward = torch.nn.ReLU.forward
+
+
+def _relu_module_forward(self, input):
+    """``nn.ReLU.forward``: a torchacc tensor that needs a gradient takes ``_ReLU``; anything
+    else (no gradient, a leaf or a view written in place, a torch function mode) runs torch's."""
+    inplace = self.inplace
+    if (
+        type(input) is not LazyTensor
+        or not (input.requires_grad and torch.is_grad_enabled())
+        or (inplace and (input.is_leaf or input._base is not None or input._view is not None))
+        or _has_torch_function((input,))
+    ):
+        return _torch_relu_forward(self, input)
+    out = _relu_apply(input, inplace)
+    # eager autograd refuses a backward through an output changed in place after it was saved; so
+    # does _ReLU.backward, against the version after apply's own bump for an in-place output
+    out.grad_fn.version = out._version
+    return out
+
+
+torch.nn.ReLU.forward = _relu_module_forward
