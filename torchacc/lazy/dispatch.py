@@ -137,9 +137,9 @@ _handlers: dict = {}
 
 
 def _handler(func):
-    h = _handlers.get(func)
+    h = _handlers.get(func._op)  # keyed like record.py's _specs (no Python __hash__ per op)
     if h is None:
-        h = _handlers[func] = _classify(func)
+        h = _handlers[func._op] = _classify(func)
     return h
 
 
@@ -180,7 +180,7 @@ def _guarded(h, func):
 
 
 def _torch_dispatch(cls, func, types, args=(), kwargs=None):
-    h = _handlers.get(func)
+    h = _handlers.get(func._op)
     if h is None:
         h = _handler(func)
     return h(func, args, kwargs or {})

@@ -47,7 +47,7 @@ def record_batch(func, n, pos_cols, kw_cols):
     output Values (one per element), or None if the op cannot be batched for these arguments. The
     arguments come as columns (see ``_foreach_handler``): an argument shared by all elements is
     scanned once and its slot shared. Note [Batched foreach nodes]."""
-    spec = _specs.get(func) or _spec(func)
+    spec = _specs.get(func._op) or _spec(func)
     inputs, scalars = [], []
     sig = [_CALL_END, func, n]
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw

@@ -279,14 +279,18 @@ class OpSpec:
             position += not arg.kwarg_only
 
 
-_specs: dict = {}
+# Both tables are read once per recorded op, so neither hashes an OpOverload (its ``__hash__`` is
+# a Python method): ``_specs`` is keyed by the overload's C++ callable ``func._op``, and a
+# signature starts with the op's OpSpec (identity hash). An OpEntry's own ``key`` starts with the
+# OpOverload, for the messages that name it (program/miss.py).
+_specs: dict = {}  # func._op -> OpSpec
 _entries: dict = {}  # structural signature -> OpEntry
 
 
 def _spec(func):
-    spec = _specs.get(func)
+    spec = _specs.get(func._op)
     if spec is None:
-        spec = _specs[func] = OpSpec(func, lookup(func))
+        spec = _specs[func._op] = OpSpec(func, lookup(func))
     return spec
 
 
@@ -304,12 +308,12 @@ def record_values(func, args, kwargs):
     """Record ``func`` as a node; returns (list of output Values, its OpEntry).
 
     Note [Recording an op]."""
-    spec = _specs.get(func) or _spec(func)
+    spec = _specs.get(func._op) or _spec(func)
     rule = spec.rule
     if rule is None:
         raise NeedsFallback(f"no lowering rule for {func}")
     inputs, scalars = [], []
-    sig = [func]
+    sig = [spec]
     lift_pos = spec.lift_pos
     i = 0
     for a in args:
@@ -327,7 +331,7 @@ def record_values(func, args, kwargs):
     key = tuple(sig)
     op = _entries.get(key)
     if op is None:
-        op = _entries[key] = _new_entry(spec, key, args, kwargs)
+        op = _entries[key] = _new_entry(spec, (func, *key[1:]), args, kwargs)
     if rule.rng:
         inputs.append(device_random.state_value())
         node = Node(op, inputs, scalars)
