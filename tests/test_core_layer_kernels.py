@@ -228,9 +228,28 @@ def _recorded_nodes(monkeypatch):
     return nodes
 
 
-@pytest.mark.parametrize("case", ["conv2d", "linear"])
-def test_folded_backward_reuses_the_forward_casts(case, monkeypatch):
-    layer, shape = LAYERS[case]
+def test_folded_convolution_is_one_node_each_way(monkeypatch):
+    layer, shape = LAYERS["conv2d"]
+    m = layer().to(DEV)
+    xi = torch.randn(*shape).to(DEV).requires_grad_()
+    nodes = _recorded_nodes(monkeypatch)
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        out = m(xi)
+    loss = out.float().sum()
+    start = len(nodes)
+    loss.backward()
+    names = [n.op.rule.name for n in nodes]
+    # the casts of input, weight and bias are inside the convolution node, forward and backward;
+    # the only casts recorded are out.float() and its backward
+    assert names[:2] == ["torchacc.cast_convolution.default", "aten._to_copy.default"]
+    backward = names[start:]
+    assert backward.count("torchacc.cast_convolution_backward.default") == 1
+    assert backward.count("aten._to_copy.default") == 1, backward
+    assert xi.grad.dtype == torch.float32 and m.weight.grad.dtype == torch.float32
+
+
+def test_folded_linear_backward_reuses_the_forward_casts(monkeypatch):
+    layer, shape = LAYERS["linear"]
     m = layer().to(DEV)
     xi = torch.randn(*shape).to(DEV).requires_grad_()
     with torch.autocast("torchacc", dtype=torch.bfloat16):

@@ -17,8 +17,10 @@ autograd_kernels.py):
   own forward, so other devices and tracers see no change.
 - Convolution and linear under autocast: the autocast kernel casts input, weight and bias with
   ``.to()``, each a dispatched op with its own tensor and autograd node, and each gradient is cast
-  back in the backward. The folded kernels record those casts as graph nodes inside one Function;
-  the backward reads the forward's casts instead of recording them again. ``nn.Conv1d/2d/3d``
+  back in the backward. The folded kernels run inside one Function: a convolution is one node
+  each way with the casts inside it (``torchacc.cast_convolution`` and its backward, the same XLA
+  ops); a linear layer records its casts as graph nodes and the backward reads the forward's
+  casts instead of recording them again. ``nn.Conv1d/2d/3d``
   and ``nn.Linear`` call them straight from the module under autocast, without the dispatcher's
   trip into autocast's Python kernel (which calls the same functions); anything else runs torch's
   own forward.
@@ -173,7 +175,6 @@ _BatchNorm.forward = _batch_norm_module_forward
 # --- casts folded into convolution and linear (autocast) -----------------------------------
 
 _to_copy = aten._to_copy.default
-_convolution = aten.convolution.default
 _convolution_backward = aten.convolution_backward.default
 _FOLDABLE = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -220,12 +221,19 @@ def _grads_back(vals, originals, needs):
     ]
 
 
+def _record_convolution(input, weight, bias, dtype, params):
+    """One fresh tensor: the convolution of the casts to ``dtype``, one node with the casts in."""
+    return fresh(
+        record_values(ops.cast_convolution, (input, weight, bias, dtype, *params), {})[0][0]
+    )
+
+
 class _CastConvolution(torch.autograd.Function):
     @staticmethod
     def forward(ctx, input, weight, bias, dtype, params):
         ctx.save_for_backward(input, weight, bias)
         ctx.dtype, ctx.params = dtype, params
-        return _record_cast(_convolution, dtype, (input, weight, bias), params, ctx)
+        return _record_convolution(input, weight, bias, dtype, params)
 
     @staticmethod
     def backward(ctx, grad):
@@ -244,8 +252,10 @@ class _CastConvolution(torch.autograd.Function):
                 None,
                 None,
             )
-        args = (grad, *_saved_casts(ctx, input, weight), bias_sizes, *ctx.params, needs)
-        vals = record_values(_convolution_backward, args, {})[0]
+        # one node: the casts, convolution_backward and the casts back (the bias gradient comes
+        # in the weight's dtype; _grads_back casts it only if the bias has another)
+        args = (grad, input, weight, dtype, *ctx.params)
+        vals = record_values(ops.cast_convolution_backward, args, {})[0]
         return (*_grads_back(vals, (input, weight, bias), needs), None, None)
 
 
@@ -294,7 +304,7 @@ def _fold_convolution(
     params = (list(stride), list(padding), list(dilation), transposed, list(out_pad), groups)
     if _needs_grad(input, weight, bias):
         return _convolution_apply(input, weight, bias, dtype, params)
-    return _record_cast(_convolution, dtype, (input, weight, bias), params)
+    return _record_convolution(input, weight, bias, dtype, params)
 
 
 def _conv_nd(dtype, input, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):

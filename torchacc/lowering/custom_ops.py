@@ -16,6 +16,20 @@ _lib.define("linear(Tensor input, Tensor weight, Tensor? bias=None) -> Tensor")
 _lib.define(
     "linear_backward(Tensor grad_output, Tensor input, Tensor weight) -> (Tensor, Tensor, Tensor)"
 )
+# Convolution under autocast with its casts folded in: ``aten.convolution`` of ``input``, ``weight``
+# and ``bias`` cast to ``dtype``; the backward returns the gradients in the argument dtypes (the
+# bias gradient in the weight's), all three always (XLA drops the ones no output needs).
+_CONV_ARGS = (
+    "int[] stride, int[] padding, int[] dilation, bool transposed, int[] output_padding, int groups"
+)
+_lib.define(
+    f"cast_convolution(Tensor input, Tensor weight, Tensor? bias, ScalarType dtype, {_CONV_ARGS})"
+    " -> Tensor"
+)
+_lib.define(
+    "cast_convolution_backward(Tensor grad_output, Tensor input, Tensor weight, ScalarType dtype, "
+    f"{_CONV_ARGS}) -> (Tensor, Tensor, Tensor)"
+)
 
 
 def _linear_meta(input, weight, bias=None):
@@ -66,12 +80,31 @@ def _amp_unscale_meta(grads, found_inf, inv_scale):
     return [torch.empty_like(g) for g in grads] + [torch.empty_like(found_inf)]
 
 
+def _cast_convolution_meta(input, weight, bias, dtype, *conv_args):
+    bias = None if bias is None else bias.to(dtype)
+    return torch.ops.aten.convolution.default(input.to(dtype), weight.to(dtype), bias, *conv_args)
+
+
+def _cast_convolution_backward_meta(grad_output, input, weight, dtype, *conv_args):
+    transposed, groups = conv_args[3], conv_args[5]
+    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    cast_input, cast_weight = input.to(dtype), weight.to(dtype)
+    grads = torch.ops.aten.convolution_backward.default(
+        grad_output, cast_input, cast_weight, [out_channels], *conv_args, [True, True, True]
+    )
+    return grads[0].to(input.dtype), grads[1].to(weight.dtype), grads[2].to(weight.dtype)
+
+
 _lib.impl("linear", _linear_meta, "Meta")
+_lib.impl("cast_convolution", _cast_convolution_meta, "Meta")
+_lib.impl("cast_convolution_backward", _cast_convolution_backward_meta, "Meta")
 _lib.impl("linear_backward", _linear_backward_meta, "Meta")
 _lib.impl("amp_unscale", _amp_unscale_meta, "Meta")
 
 linear = torch.ops.torchacc.linear.default
 linear_backward = torch.ops.torchacc.linear_backward.default
+cast_convolution = torch.ops.torchacc.cast_convolution.default
+cast_convolution_backward = torch.ops.torchacc.cast_convolution_backward.default
 amp_unscale = torch.ops.torchacc.amp_unscale.default
 
 # What each op is in ATen's words, for messages (a recompile names ``aten::linear``, not only the
@@ -79,5 +112,7 @@ amp_unscale = torch.ops.torchacc.amp_unscale.default
 ATEN_NAMES = {
     "torchacc::linear": "aten::linear",
     "torchacc::linear_backward": "aten::linear's backward (aten::mm, aten::sum)",
+    "torchacc::cast_convolution": "aten::convolution (with autocast's casts)",
+    "torchacc::cast_convolution_backward": "aten::convolution_backward (with autocast's casts)",
     "torchacc::amp_unscale": "aten::_amp_foreach_non_finite_check_and_unscale_",
 }

@@ -244,6 +244,15 @@ def convolution(input, weight, bias, stride, padding, dilation, transposed, outp
     return out[0] if unbatched else out
 
 
+@register(ops.cast_convolution)
+def cast_convolution(input, weight, bias, dtype, *conv_args):
+    """``convolution`` of ``input``, ``weight`` and ``bias`` cast to ``dtype`` (autocast's casts
+    folded into one node; the same XLA ops as recording the casts)."""
+    target = jdtype(dtype)
+    bias = None if bias is None else bias.astype(target)
+    return convolution(input.astype(target), weight.astype(target), bias, *conv_args)
+
+
 @register(aten._convolution.default)
 def _convolution(
     input,

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from torchacc.lowering import custom_ops as ops
 from torchacc.lowering import nn
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.nn import acc_dtype, aten, scalar
@@ -57,6 +58,23 @@ def convolution_backward(
     if output_mask[2]:
         gb = jnp.sum(opmath(g), axis=(0,) + tuple(range(2, g.ndim))).astype(grad_output.dtype)
     return gi, gw, gb
+
+
+@register(ops.cast_convolution_backward)
+def cast_convolution_backward(grad_output, input, weight, dtype, *conv_args):
+    """convolution_backward of the casts to ``dtype``, gradients back in the argument dtypes:
+    node for node what recording the casts around ``aten.convolution_backward`` computes."""
+    target = jdtype(dtype)
+    bias_sizes = [nn.conv_out_channels(weight, conv_args[3], conv_args[5])]
+    gi, gw, gb = convolution_backward(
+        grad_output,
+        input.astype(target),
+        weight.astype(target),
+        bias_sizes,
+        *conv_args,
+        (True, True, True),
+    )
+    return gi.astype(input.dtype), gw.astype(weight.dtype), gb.astype(weight.dtype)
 
 
 @register(aten.convolution_backward_overrideable.default)
