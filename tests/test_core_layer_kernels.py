@@ -433,3 +433,22 @@ def test_relu_output_changed_in_place_refuses_backward_as_eager(device):
     out.add_(1.0)
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+def test_replaced_module_forwards_still_script_and_save(tmp_path):
+    # torchacc replaces these modules' forwards; TorchScript compiles torch's own (the branch
+    # under `not torch.jit.is_scripting()` is skipped), so scripting, saving and loading work
+    cases = [
+        (nn.BatchNorm2d(3), (2, 3, 4, 4)),
+        (nn.Conv2d(3, 4, 3), (1, 3, 5, 5)),
+        (nn.Conv1d(2, 2, 1), (1, 2, 3)),
+        (nn.Linear(2, 3), (2, 2)),
+        (nn.ReLU(), (3,)),
+    ]
+    for m, shape in cases:
+        x = torch.randn(*shape)
+        scripted = torch.jit.script(m)
+        torch.jit.save(scripted, tmp_path / "m.pt")
+        loaded = torch.jit.load(tmp_path / "m.pt")
+        for other in (scripted, loaded):
+            torch.testing.assert_close(other(x), m(x), rtol=0, atol=0)

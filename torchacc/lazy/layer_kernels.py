@@ -39,6 +39,7 @@ while dynamo traces) takes torch's own path.
 from __future__ import annotations
 
 import math
+import types
 import weakref
 
 import torch
@@ -137,14 +138,12 @@ def _count_batch(counter):
 
 
 _inference_mode = torch.is_inference_mode_enabled
-_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
-_torch_batch_norm_forward = _BatchNorm.forward
 _has_torch_function = torch._C._has_torch_function
 
 
-def _batch_norm_module_forward(self, input):
-    """``_BatchNorm.forward``; a training step on torchacc tensors skips ``F.batch_norm`` and the
-    dispatcher (Note [Layer kernels]). Anything else runs torch's own forward."""
+def _batch_norm_module_fast(self, input):
+    """``_BatchNorm.forward`` for a training step on torchacc tensors, skipping ``F.batch_norm``
+    and the dispatcher (Note [Layer kernels]); None where torch's own forward must run."""
     running_mean, running_var = self.running_mean, self.running_var
     weight, bias, momentum = self.weight, self.bias, self.momentum
     counter = self.num_batches_tracked
@@ -157,7 +156,7 @@ def _batch_norm_module_forward(self, input):
         or momentum is None
         or _has_torch_function((input, running_mean, running_var, weight, bias))
     ):
-        return _torch_batch_norm_forward(self, input)
+        return None
     self._check_input_dim(input)
     _count_batch(counter)
     shape = input.shape
@@ -169,8 +168,6 @@ def _batch_norm_module_forward(self, input):
         raise ValueError(f"batch_norm eps must be positive during training, but got {self.eps}")
     return _batch_norm_train(input, weight, bias, running_mean, running_var, momentum, self.eps)
 
-
-_BatchNorm.forward = _batch_norm_module_forward
 
 # --- casts folded into convolution and linear (autocast) -----------------------------------
 
@@ -375,35 +372,20 @@ def _module_autocast_dtype(input, weight, bias):
     return torch.get_autocast_dtype(DEVICE_TYPE)
 
 
-def _folding_conv_forward(torch_conv_forward):
-    def _conv_forward(self, input, weight, bias):
-        dtype = _module_autocast_dtype(input, weight, bias)
-        if dtype is not None and self.padding_mode == "zeros":
-            args = (self.stride, self.padding, self.dilation, self.groups)
-            out = _conv_nd(dtype, input, weight, bias, *args)
-            if out is not None:
-                return out
-        return torch_conv_forward(self, input, weight, bias)
-
-    return _conv_forward
+def _conv_module_fast(self, input, weight, bias):
+    """``_conv_forward`` of a torchacc convolution under autocast: the folded kernel directly."""
+    dtype = _module_autocast_dtype(input, weight, bias)
+    if dtype is None or self.padding_mode != "zeros":
+        return None
+    return _conv_nd(
+        dtype, input, weight, bias, self.stride, self.padding, self.dilation, self.groups
+    )
 
 
-def _folding_linear_forward(torch_linear_forward):
-    def forward(self, input):
-        weight, bias = self.weight, self.bias
-        dtype = _module_autocast_dtype(input, weight, bias)
-        if dtype is not None:
-            out = _linear_folded(dtype, input, weight, bias)
-            if out is not None:
-                return out
-        return torch_linear_forward(self, input)
-
-    return forward
-
-
-for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
-    _conv._conv_forward = _folding_conv_forward(_conv._conv_forward)
-torch.nn.Linear.forward = _folding_linear_forward(torch.nn.Linear.forward)
+def _linear_module_fast(self, input):
+    weight, bias = self.weight, self.bias
+    dtype = _module_autocast_dtype(input, weight, bias)
+    return None if dtype is None else _linear_folded(dtype, input, weight, bias)
 
 
 # --- ReLU ------------------------------------------------------------------------------------
@@ -445,12 +427,11 @@ class _ReLU(torch.autograd.Function):
 
 
 _relu_apply = direct_apply(_ReLU)
-_torch_relu_forward = torch.nn.ReLU.forward
 
 
-def _relu_module_forward(self, input):
-    """``nn.ReLU.forward``: a torchacc tensor that needs a gradient takes ``_ReLU``; anything
-    else (no gradient, a leaf or a view written in place, a torch function mode) runs torch's."""
+def _relu_module_fast(self, input):
+    """``nn.ReLU.forward`` for a torchacc tensor that needs a gradient: ``_ReLU``; None (torch's
+    forward) without a gradient, for a leaf or a view written in place, under a function mode."""
     inplace = self.inplace
     if (
         type(input) is not LazyTensor
@@ -458,7 +439,7 @@ def _relu_module_forward(self, input):
         or (inplace and (input.is_leaf or input._base is not None or input._view is not None))
         or _has_torch_function((input,))
     ):
-        return _torch_relu_forward(self, input)
+        return None
     out = _relu_apply(input, inplace)
     # eager autograd refuses a backward through an output changed in place after it was saved; so
     # does _ReLU.backward, against the version after apply's own bump for an in-place output
@@ -466,4 +447,49 @@ def _relu_module_forward(self, input):
     return out
 
 
-torch.nn.ReLU.forward = _relu_module_forward
+# --- installing the module forwards ----------------------------------------------------------
+# Each replaced method tries torchacc's path first and otherwise calls torch's own, kept on the
+# class under another name. TorchScript compiles only that call (it skips the branch under
+# ``not torch.jit.is_scripting()``), so ``torch.jit.script`` of these modules works as before.
+
+
+def _forward_trying(fast):
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if not torch.jit.is_scripting():
+            out = fast(self, input)
+            if out is not None:
+                return out
+        return self._torchacc_torch_forward(input)
+
+    return forward
+
+
+def _conv_forward(self, input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    if not torch.jit.is_scripting():
+        out = _conv_module_fast(self, input, weight, bias)
+        if out is not None:
+            return out
+    return self._torchacc_torch_conv_forward(input, weight, bias)
+
+
+def _install(cls, name, method):
+    """``cls.name = method``, torch's own kept as ``cls._torchacc_torch<name>``."""
+    torch_method = getattr(cls, name)
+    kept = "_torchacc_torch" + (name if name.startswith("_") else "_" + name)
+    renamed = types.FunctionType(
+        torch_method.__code__,
+        torch_method.__globals__,
+        kept,
+        torch_method.__defaults__,
+        torch_method.__closure__,
+    )
+    renamed.__qualname__ = f"{cls.__qualname__}.{kept}"
+    setattr(cls, kept, renamed)
+    setattr(cls, name, method)
+
+
+_install(torch.nn.modules.batchnorm._BatchNorm, "forward", _forward_trying(_batch_norm_module_fast))
+for _conv in (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d):
+    _install(_conv, "_conv_forward", _conv_forward)
+_install(torch.nn.Linear, "forward", _forward_trying(_linear_module_fast))
+_install(torch.nn.ReLU, "forward", _forward_trying(_relu_module_fast))
