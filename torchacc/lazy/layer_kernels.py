@@ -409,7 +409,7 @@ class _ReLU(torch.autograd.Function):
             out = input
         else:
             out = fresh(val)
-        ctx.out = weakref.ref(out)  # its version is taken once apply returns (_relu_forward)
+        ctx.out = weakref.ref(out)  # its version is taken once apply returns (_relu_module_fast)
         return out
 
     @staticmethod
