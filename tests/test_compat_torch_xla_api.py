@@ -351,6 +351,7 @@ def test_experimental_backends_runtime_and_test_utils(capsys, monkeypatch):
     with pytest.raises(RuntimeError, match="already initialized"):
         xr.set_device_type(other)
     assert xr.get_num_cached_compilation_graph() >= 0 and xr.host_index() == 0
+    assert xr.addressable_runtime_device_count() == 1  # one device per process
     test_utils.print_training_update(xm.xla_device(), 7, 1.25, 10.0, 9.5, epoch=2)
     test_utils.print_test_update(xm.xla_device(), 93.5, epoch=2)
     out = capsys.readouterr().out

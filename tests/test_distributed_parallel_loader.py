@@ -1,5 +1,7 @@
 """MpDeviceLoader / ParallelLoader: background upload, one mark_step per batch, errors surface."""
 
+import time
+
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset, TensorDataset
@@ -66,12 +68,25 @@ def test_loader_errors_surface_in_the_training_loop():
 
 
 def test_close_stops_the_worker():
-    para = pl.ParallelLoader([torch.ones(1)] * 100, [torchacc.device()], device_prefetch_size=1)
+    drawn = []
+
+    def source():  # counts what the worker draws from the user's loader
+        for i in range(100):
+            drawn.append(i)
+            yield torch.ones(1)
+
+    para = pl.ParallelLoader(source(), [torchacc.device()], device_prefetch_size=1)
     it = para.per_device_loader(torchacc.device())
     next(it)
+    deadline = time.monotonic() + 10
+    while len(drawn) < 3 and time.monotonic() < deadline:  # one taken, one queued, one in hand
+        time.sleep(0.01)
+    time.sleep(0.3)  # the worker waits on the full queue with its batch in hand
+    assert len(drawn) == 3
     para.close()
     para._thread.join(timeout=5)
     assert not para._thread.is_alive()
+    assert len(drawn) == 3  # a closed loader draws nothing more from the source
     with pytest.raises(ValueError, match="torchacc device"):
         pl.ParallelLoader([], [torch.device("cpu")])
     with pytest.raises(ValueError, match="batches_per_execution must be >= 1"):

@@ -191,6 +191,8 @@ class ParallelLoader:
             for batch in self._loader:
                 if self._done.is_set() or not self._put(("batch", _upload_tree(batch))):
                     return
+                if self._done.is_set():  # closed while this batch waited: draw no more
+                    return
         except BaseException as e:  # re-raised in the consuming thread
             self._put(("error", e))
             return
