@@ -88,12 +88,11 @@ class _BatchNormTrain(torch.autograd.Function):
         input, weight = ctx.saved_tensors
         mask = list(ctx.needs_input_grad[:3])
         mean, invstd = ctx.stats
-        if torch.is_grad_enabled():  # create_graph=True: a differentiable op
-            mean, invstd = fresh(mean.value), fresh(invstd.value)
-        args = (grad, input, weight, None, None, mean, invstd, True, ctx.eps, mask)
-        if torch.is_grad_enabled():
-            grads = _bn_backward(*args)
+        if torch.is_grad_enabled():  # create_graph=True: a differentiable op on tensors
+            stats = (fresh(mean.value), fresh(invstd.value))
+            grads = _bn_backward(grad, input, weight, None, None, *stats, True, ctx.eps, mask)
         else:
+            args = (grad, input, weight, None, None, mean, invstd, True, ctx.eps, mask)
             vals = record_values(_bn_backward, args, {})[0]
             grads = [fresh(v) if need else None for v, need in zip(vals, mask)]
         return grads[0], grads[1], grads[2], None, None, None, None
@@ -236,8 +235,8 @@ class _CastConvolution(torch.autograd.Function):
     def backward(ctx, grad):
         input, weight, bias = ctx.saved_tensors
         dtype, needs = ctx.dtype, list(ctx.needs_input_grad[:3])
-        bias_sizes = None if bias is None else list(bias.shape)
         if torch.is_grad_enabled():  # create_graph=True: differentiable ops
+            bias_sizes = None if bias is None else list(bias.shape)
             grads = _convolution_backward(
                 grad, input.to(dtype), weight.to(dtype), bias_sizes, *ctx.params, needs
             )

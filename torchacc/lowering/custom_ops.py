@@ -85,12 +85,16 @@ def _cast_convolution_meta(input, weight, bias, dtype, *conv_args):
     return torch.ops.aten.convolution.default(input.to(dtype), weight.to(dtype), bias, *conv_args)
 
 
+def conv_out_channels(weight, transposed, groups):
+    """A convolution's output channels (its bias size) from its weight."""
+    return weight.shape[1] * groups if transposed else weight.shape[0]
+
+
 def _cast_convolution_backward_meta(grad_output, input, weight, dtype, *conv_args):
-    transposed, groups = conv_args[3], conv_args[5]
-    out_channels = weight.shape[1] * groups if transposed else weight.shape[0]
+    bias_sizes = [conv_out_channels(weight, conv_args[3], conv_args[5])]
     cast_input, cast_weight = input.to(dtype), weight.to(dtype)
     grads = torch.ops.aten.convolution_backward.default(
-        grad_output, cast_input, cast_weight, [out_channels], *conv_args, [True, True, True]
+        grad_output, cast_input, cast_weight, bias_sizes, *conv_args, [True, True, True]
     )
     return grads[0].to(input.dtype), grads[1].to(weight.dtype), grads[2].to(weight.dtype)
 

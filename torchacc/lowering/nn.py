@@ -280,8 +280,7 @@ def _convolution(
 # gets one here from convolution's own meta.
 
 
-def conv_out_channels(weight, transposed, groups):
-    return weight.shape[1] * groups if transposed else weight.shape[0]
+conv_out_channels = ops.conv_out_channels
 
 
 def _convolution_overrideable_meta(input, weight, bias, *conv_args):
