@@ -9,13 +9,15 @@ import torch
 import torchacc
 import torchacc.torch_xla as torch_xla
 import torchacc.torch_xla.core.xla_model as xm
+from torchacc.program.pack import buffer_of
 
 DEV = torchacc.device()
 
 
 def _array(t):
-    """The device buffer (jax.Array) behind a torchacc tensor (after its step ran)."""
-    return t._st.value.array
+    """The device buffer (jax.Array) behind a torchacc tensor (after its step ran): its own, or
+    the pack holding it (Note [Packed state])."""
+    return buffer_of(t._st.value)
 
 
 # ------------------------------------------------------------------------------------------------

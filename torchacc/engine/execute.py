@@ -20,7 +20,7 @@ from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
-from torchacc.program import known
+from torchacc.program import known, pack
 
 _last_outputs: list = []
 _last_sync_end = [None]
@@ -56,16 +56,13 @@ def _live_outputs():
         add(i)
         if v.node is not None:
             append(v)
-        elif v.array is not None:
-            add(id(v.array))
+        else:
+            b = v.buf
+            if type(b) is tuple:  # a piece: its pack is held (Note [Packed state])
+                add(id(b[0]))
+            elif b is not None:
+                add(id(b))
     return outputs, held
-
-
-def _donatable_fn(held=None):
-    """Inputs no live tensor will hold after this step can give their buffers to the outputs."""
-    if held is None:
-        held = _live_outputs()[1]
-    return lambda v: id(v) not in held and id(v.array) not in held
 
 
 def run(outputs, donate, held=None, learn=False):
@@ -76,30 +73,37 @@ def run(outputs, donate, held=None, learn=False):
     ``mark_step``), the step is remembered as a known step (Note [Known steps])."""
     if not learn:
         known.spoil("part of the step ran before mark_step")
-    graph = compiler.Graph(outputs, _donatable_fn(held) if donate else None)
-    args = _args(graph.floats, graph.ints, graph.inputs)
+    if donate and held is None:
+        held = _live_outputs()[1]
+    graph = compiler.Graph(outputs, held if donate else None, pack.max_numel())
+    args = _args(graph.floats, graph.ints, graph.args())
     exe = compiler.compiled_for(graph, args)
     if learn:
         known.learn(graph, exe, held, precision.key())
-    _launch(exe, args, outputs, graph.inputs, graph.donate, len(graph.order))
+    _launch(exe, args, outputs, graph, len(graph.order))
 
 
-def _args(floats, ints, inputs):
+def _args(floats, ints, arrays):
     floats = np.asarray(floats, dtype=np.float64)
     ints = np.asarray(ints, dtype=np.int64)
-    return [floats, ints] + [v.array for v in inputs]
+    return [floats, ints, *arrays]
 
 
-def _launch(exe, args, outputs, inputs, donate, n_ops):
+def _launch(exe, args, outputs, plan, n_ops):
+    """Run ``exe`` and bind its results; ``plan`` (a Graph or a known step's Launch) has the
+    argument packs and loose inputs, the donated positions and the output plan."""
     metrics.counter_inc("RecordedOps", n_ops)
     start = time.perf_counter()
     results = exe(*args)
     metrics.record_time("ExecuteTime", time.perf_counter() - start)
-    for v, array in zip(outputs, results):
-        v.array = array
-        v.node = None
-    for i in donate:  # their buffers now belong to the outputs
-        inputs[i].array = None
+    pack.bind(results, outputs, plan.out_codes, plan.out_packs)
+    packs, loose = plan.packs, plan.loose
+    n_packs = len(packs)
+    for i in plan.donate:  # their buffers now belong to the outputs
+        if i < n_packs:
+            packs[i].array = None
+        else:
+            loose[i - n_packs].buf = None
     _last_outputs[:] = results
 
 
@@ -107,8 +111,8 @@ def _run_known(launch, outputs):
     """Launch a known step's program (Note [Known steps]): no graph walk, no key."""
     compiler.count_memory_hit()
     metrics.counter_inc("KnownStep")
-    args = _args(launch.floats, launch.ints, launch.inputs)
-    _launch(launch.exe, args, outputs, launch.inputs, launch.donate, launch.n_order)
+    args = _args(launch.floats, launch.ints, launch.args())
+    _launch(launch.exe, args, outputs, launch, launch.n_order)
 
 
 def sync(wait=False):

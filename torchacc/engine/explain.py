@@ -167,6 +167,12 @@ def _reason(graph, key, cached, frame):
             f"the same ops, but {found.new} live tensors to compute vs {found.old} in {nearest} "
             "(a tensor of the step is kept, or freed, where it was not before)"
         )
+    if what == "layout":
+        moved = "" if found.new is None else f"; the first is `{input_names[found.new]}`"
+        return (
+            "the same ops, but their inputs come packed differently (Note [Packed state]): "
+            f"the previous step returned other small results than the one before it{moved}"
+        )
     if what == "precision":
         return f"torch's float32 precision settings {found.new} differ from {nearest}'s {found.old}"
     return (

@@ -22,19 +22,37 @@ import weakref
 
 
 class Value:
-    """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta."""
+    """One array of the step; ``desc`` is (shape, stride, dtype, storage_offset) from meta.
+
+    ``buf`` is where its data lives once computed: a JAX array, a piece ``(Pack, offset)`` of a
+    step's packed results (Note [Packed state] in program/pack.py), or None (pending, or given to
+    a later step's outputs). ``array`` is always a JAX array of the Value's own shape.
+    """
 
     # ``mark``/``slot``: scratch of the graph walk at a sync (Note [Walking a graph at a sync]);
     # ``sid``: its number among the step's data inputs (Note [Known steps] in program/known.py)
-    __slots__ = ("node", "index", "array", "desc", "mark", "slot", "sid")
+    __slots__ = ("node", "index", "buf", "desc", "mark", "slot", "sid")
 
     def __init__(self, desc, node=None, index=0, array=None):
         self.node = node
         self.index = index
-        self.array = array
+        self.buf = array
         self.desc = desc
         self.mark = 0
         self.sid = 0
+
+    @property
+    def array(self):
+        """The data as a JAX array of this Value's shape (a piece of a pack is sliced out on the
+        device); None while pending or after its buffer was donated."""
+        b = self.buf
+        if type(b) is tuple:
+            return unpack[0](b[0], b[1], self.desc)
+        return b
+
+    @array.setter
+    def array(self, array):
+        self.buf = array
 
     @property
     def pending(self):
@@ -90,6 +108,7 @@ class Node:
 
 
 _next_seq = itertools.count(1).__next__
+unpack = [None]  # fn(pack, offset, desc) -> JAX array (set by torchacc/program/pack.py)
 observe = None  # fn(node) called for every new Node (set by torchacc/program/known.py)
 
 

@@ -7,6 +7,9 @@ import jax.numpy as jnp
 
 from torchacc.ir import ScalarSlot, TensorSlot
 from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
+from torchacc.program import pack
+
+_OFFSET = (1 << pack.SHIFT) - 1
 
 
 def _fill(t, env, scalars):
@@ -45,10 +48,29 @@ def program_of(graph):
         steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs, nested))
     out_ids = list(graph.out_slots)
     nslots = base
+    # Note [Packed state] (pack.py): the array arguments are the packs, then the loose inputs
+    n_packs = len(graph.packs)
+    in_places = [
+        (i, code >> pack.SHIFT, code & _OFFSET, v.desc[0])
+        for i, (code, v) in enumerate(zip(graph.in_codes, graph.inputs))
+        if code != pack.LOOSE
+    ]
+    loose_slots = [i for i, code in enumerate(graph.in_codes) if code == pack.LOOSE]
+    out_groups = [[] for _ in graph.out_packs]
+    loose_outs = []
+    for j, code in sorted(enumerate(graph.out_codes), key=lambda jc: jc[1]):
+        if code == pack.LOOSE:
+            loose_outs.append(j)
+        else:  # by pack, then offset
+            out_groups[code >> pack.SHIFT].append(j)
+    loose_outs.sort()
 
     def program(floats, ints, *arrays):
-        env = list(arrays)
-        env.extend([None] * (nslots - len(env)))
+        env = [None] * nslots
+        for slot, a in zip(loose_slots, arrays[n_packs:]):
+            env[slot] = a
+        for slot, k, offset, shape in in_places:
+            env[slot] = pack.piece(arrays[k], offset, shape)
         for rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested in steps:
             ins = [env[i] for i in in_ids]
             sc = []
@@ -93,7 +115,9 @@ def program_of(graph):
                 env[slot] = r.astype(jdtype(d[2])) if r.dtype != jdtype(d[2]) else r
             if rule.rng:
                 env[outs[-1]] = jax.random.key_data(key)
-        return [env[i] for i in out_ids]
+        results = [env[i] for i in out_ids]
+        packed = [pack.concat([results[j] for j in group]) for group in out_groups]
+        return packed + [results[j] for j in loose_outs]
 
     return program
 

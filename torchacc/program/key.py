@@ -4,7 +4,8 @@ Note [What a compiled step is keyed on]
 The key is the graph's structure: for every node its op and static signature (input shapes,
 strides, dtypes, static arguments, the *kinds* of its runtime scalars; stood for by the node's
 OpEntry, unique per signature so it compares and hashes by identity), how nodes connect, the
-inputs' shapes and dtypes, which outputs are returned and which inputs are donated. It never holds
+inputs' shapes and dtypes, which outputs are returned, which inputs are donated and how inputs
+and outputs are packed (Note [Packed state] in pack.py). It never holds
 data or Python scalar values: scalars (learning rate, loss scale, bias corrections) are gathered
 into two runtime vectors, one float64 and one int64, so a schedule that changes them every step
 reuses the same executable.
@@ -13,6 +14,8 @@ reuses the same executable.
 from __future__ import annotations
 
 import operator
+
+from torchacc.program import pack
 
 # Note [Walking a graph at a sync]
 # A sync walks the pending graph once per step, so the walk is the part of ``mark_step`` that
@@ -33,9 +36,26 @@ class Graph:
     per output desc of its OpEntry). ``key[1]`` alternates each node's OpEntry and the slots of its
     inputs. Note [Walking a graph at a sync]."""
 
-    __slots__ = ("order", "inputs", "outputs", "key", "floats", "ints", "donate", "out_slots")
+    __slots__ = (
+        "order",
+        "inputs",
+        "outputs",
+        "key",
+        "floats",
+        "ints",
+        "donate",
+        "out_slots",
+        "in_codes",
+        "packs",
+        "loose",
+        "out_codes",
+        "out_packs",
+    )
 
-    def __init__(self, outputs, donatable=None):
+    def __init__(self, outputs, held=None, pack_limit=0):
+        """``held``: ids of the Values and buffers live storages hold (``_live_outputs``), for
+        donation (None: donate nothing); ``pack_limit``: pack results of at most this many
+        elements (Note [Packed state] in pack.py)."""
         order, inputs = _collect(outputs)
         for i, v in enumerate(inputs):
             v.slot = i
@@ -59,24 +79,46 @@ class Graph:
         self.floats = floats
         self.ints = ints
         self.out_slots = out_slots = tuple([v.node.slot + v.index for v in outputs])
-        self.donate = _donations(inputs, outputs, donatable) if donatable else ()
+        self.in_codes, self.packs, self.loose = pack.input_layout(inputs)
+        self.out_codes, self.out_packs = pack.output_plan(outputs, pack_limit)
+        arg_avals = [((p.size,), p.dtype) for p in self.packs]
+        arg_avals += [(v.desc[0], v.desc[2]) for v in self.loose]
+        if held is None:
+            self.donate = ()
+        else:
+            out_avals = [((n,), d) for n, d in self.out_packs]
+            out_avals += [(v.desc[0], v.desc[2]) for v, c in zip(outputs, self.out_codes) if c < 0]
+            flags = donatable_flags(self.packs, self.loose, held)
+            self.donate = donations(arg_avals, out_avals, flags)
         in_avals = tuple([(v.desc[0], v.desc[2]) for v in inputs])
-        self.key = (in_avals, tuple(parts), out_slots, self.donate)
+        layout = (self.in_codes, tuple(arg_avals[: len(self.packs)]), self.out_packs)
+        self.key = (in_avals, tuple(parts), out_slots, self.donate, layout)
+
+    def args(self):
+        """The program's array arguments: the packs' arrays, then the loose inputs' arrays."""
+        return [p.array for p in self.packs] + [v.buf for v in self.loose]
 
 
-def _donations(inputs, outputs, donatable):
-    """Positions of inputs whose buffers an output of the same shape and dtype can take over.
+def donatable_flags(packs, loose, held):
+    """Per program argument, whether no live storage holds it (``held``: ids of the Values and
+    buffers live storages hold): a pack when no live Value is a piece of it, a loose input when
+    neither it nor its array is held."""
+    flags = [id(p) not in held for p in packs]
+    flags += [id(v) not in held and id(v.buf) not in held for v in loose]
+    return tuple(flags)
 
-    Only as many inputs of a given shape/dtype are donated as there are outputs of it: XLA could
-    not use the others (and JAX would warn on every compile)."""
+
+def donations(arg_avals, out_avals, flags):
+    """Positions of arguments whose buffers an output of the same shape and dtype can take over.
+
+    Only as many arguments of a given shape/dtype are donated as there are outputs of it: XLA
+    could not use the others (and JAX would warn on every compile)."""
     free = {}
-    for v in outputs:
-        aval = (v.desc[0], v.desc[2])
+    for aval in out_avals:
         free[aval] = free.get(aval, 0) + 1
     donate = []
-    for i, v in enumerate(inputs):
-        aval = (v.desc[0], v.desc[2])
-        if free.get(aval, 0) > 0 and donatable(v):
+    for i, (aval, ok) in enumerate(zip(arg_avals, flags)):
+        if ok and free.get(aval, 0) > 0:
             free[aval] -= 1
             donate.append(i)
     return tuple(donate)

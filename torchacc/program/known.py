@@ -19,17 +19,19 @@ so that a sync of a known step only gathers its inputs and scalars: O(inputs), n
   new stream. The step after a known one is predicted to be the one that followed it last time,
   so loops that alternate (gradient accumulation, evaluation every N steps) match too.
 - **Launching.** At ``mark_step`` a fully matched stream looks up its *variant* by the output
-  codes (which storages are pending, from ``_live_outputs``), checks its inputs' descs, which
-  inputs no live tensor holds (donation) and the float32 precision settings, and launches the
+  codes (which storages are pending, from ``_live_outputs``), checks its inputs' descs, where
+  they live (which pack and offset: Note [Packed state] in pack.py), which inputs no live tensor
+  holds (donation) and the float32 precision settings, and launches the
   executable the full path compiled for exactly that key, with the runtime scalars of the nodes
   the program holds. Any check failing takes the full path, which learns the new variant.
 - **What is never known.** A step that read a pending value before ``mark_step`` (``.item()``,
   a collective run eagerly) or used a pending Value recorded in an earlier step takes the full
   path and is not learnt: its graph is not described by its stream alone.
 
-Equal stream + output codes + input descs + donatable inputs + precision imply the full path's
-key (Note [What a compiled step is keyed on]), so a known step runs the very program the full path
-would: tests compare results bit for bit with ``TORCHACC_KNOWN_STEPS=0``. ``TORCHACC_DEBUG=1``
+Equal stream + output codes + input descs + input layout + donatable inputs + precision imply the
+full path's key (Note [What a compiled step is keyed on]), so a known step runs the very program
+the full path would: tests compare results bit for bit with ``TORCHACC_KNOWN_STEPS=0``.
+``TORCHACC_DEBUG=1``
 prints where a step left its known stream.
 """
 
@@ -39,6 +41,8 @@ import os
 import sys
 
 from torchacc.ir import graph as ir_graph
+from torchacc.program import pack
+from torchacc.program.key import donatable_flags
 
 _STEP = 1 << 40  # base spacing: positions and data numbers of one step stay below the next base
 _SHIFT = 24  # a pending input's code: (stream position << _SHIFT) | output index
@@ -73,17 +77,31 @@ class Variant:
 
 
 class Launch:
-    """What ``mark_step`` needs to run a known step."""
+    """What ``mark_step`` needs to run a known step (the argument packs and loose inputs,
+    donations and output plan are as for a Graph: Note [Packed state] in pack.py)."""
 
-    __slots__ = ("exe", "inputs", "donate", "floats", "ints", "n_order")
+    __slots__ = (
+        "exe",
+        "packs",
+        "loose",
+        "donate",
+        "out_codes",
+        "out_packs",
+        "floats",
+        "ints",
+        "n_order",
+    )
 
-    def __init__(self, exe, inputs, donate, floats, ints, n_order):
-        self.exe = exe
-        self.inputs = inputs
-        self.donate = donate
+    def __init__(self, compiled, packs, loose, floats, ints, n_order):
+        self.exe, self.donate, self.out_codes, self.out_packs = compiled
+        self.packs = packs
+        self.loose = loose
         self.floats = floats
         self.ints = ints
         self.n_order = n_order
+
+    def args(self):
+        return [p.array for p in self.packs] + [v.buf for v in self.loose]
 
 
 class _Step:
@@ -203,11 +221,6 @@ def _output_codes(outputs, base):
     return tuple([(v.node.spos - base) << _SHIFT | v.index for v in outputs])
 
 
-def _donatable_flags(inputs, held):
-    """Per input, whether no live storage holds it (engine.execute._donatable_fn's rule)."""
-    return tuple([id(v) not in held and id(v.array) not in held for v in inputs])
-
-
 def match(outputs, held, precision_key):
     """The Launch of this step if it is a known step, else None (take the full path).
 
@@ -228,17 +241,19 @@ def match(outputs, held, precision_key):
     inputs = [data[k] for k in variant.in_pick]
     if [v.desc for v in inputs] != variant.in_descs:
         return None
-    launch = variant.launches.get((_donatable_flags(inputs, held), precision_key))
-    if launch is None:
+    codes, packs, loose = pack.input_layout(inputs)
+    compiled = variant.launches.get(
+        (codes, donatable_flags(packs, loose, held), precision_key)
+    )
+    if compiled is None:
         return None
     floats, ints = [], []
     scalars = st.scalars
     for p in variant.scalar_pos:
         for x in scalars[p]:
             (ints if type(x) is int or type(x) is bool else floats).append(x)
-    exe, donate = launch
     st.used = s
-    return Launch(exe, inputs, donate, floats, ints, variant.n_order)
+    return Launch(compiled, packs, loose, floats, ints, variant.n_order)
 
 
 def learn(graph, exe, held, precision_key):
@@ -280,7 +295,9 @@ def learn(graph, exe, held, precision_key):
         variant = s.variants[out_codes] = Variant(in_pick, in_descs, scalar_pos, len(graph.order))
     if len(variant.launches) >= _MAX_VARIANTS:
         del variant.launches[next(iter(variant.launches))]
-    variant.launches[(_donatable_flags(graph.inputs, held), precision_key)] = (exe, graph.donate)
+    flags = donatable_flags(graph.packs, graph.loose, held)
+    compiled = (exe, graph.donate, graph.out_codes, graph.out_packs)
+    variant.launches[(graph.in_codes, flags, precision_key)] = compiled
 
 
 def next_step():

@@ -16,8 +16,9 @@ class Miss:
     """``what`` is one of ``first``, ``new`` (the nearest cached graph starts with another op),
     ``inputs`` (count), ``input`` (shape/dtype of input
     ``index``), ``op`` (another op at ``index``), ``args`` (the same op with other arguments),
-    ``ops`` (count), ``outputs``, ``precision``, ``donation``; ``new``/``old`` are the differing
-    parts of this key and of ``nearest``."""
+    ``ops`` (count), ``outputs``, ``layout`` (which inputs arrive packed, ``index`` the first
+    input that moved), ``precision``, ``donation``; ``new``/``old`` are the differing parts of
+    this key and of ``nearest``."""
 
     __slots__ = ("what", "index", "new", "old", "nearest")
 
@@ -72,9 +73,20 @@ def find_miss(key, cached):
         return Miss("ops", None, len(parts) // 2, len(o_parts) // 2, best)
     if out_slots != best[2]:
         return Miss("outputs", None, len(out_slots), len(best[2]), best)
-    if key[4:] != best[4:]:
-        return Miss("precision", None, key[4:], best[4:], best)
+    if key[4] != best[4]:
+        return Miss("layout", None, _first_layout_change(key[4], best[4], key[0]), None, best)
+    if key[5:] != best[5:]:
+        return Miss("precision", None, key[5:], best[5:], best)
     return Miss("donation", None, key[3], best[3], best)
+
+
+def _first_layout_change(layout, other, in_avals):
+    """The first input whose place (loose or in a pack) differs, else None (the packs' sizes or
+    the packed outputs differ)."""
+    for i, (a, b) in enumerate(zip(layout[0], other[0])):
+        if a != b:
+            return i
+    return None
 
 
 def _func(op_key):

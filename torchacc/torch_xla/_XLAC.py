@@ -166,7 +166,7 @@ def _get_xla_tensors_hlo(tensors):
         return ""
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
-    args += [v.array for v in graph.inputs]
+    args += graph.args()
     return jax.jit(program_of(graph)).lower(*args).as_text()
 
 
