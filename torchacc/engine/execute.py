@@ -43,39 +43,52 @@ def fetch(value, dtype):
     return read(value.array, dtype)
 
 
-def _live_outputs():
-    """The pending Values of live storages (a sync's outputs, in storage creation order) and the
-    ids of every Value and array some live storage holds, from one pass over the storages."""
-    outputs, held = [], set()
+def _live_outputs(clear=True):
+    """The pending Values of live storages (a sync's outputs, in storage creation order), the
+    ids of every Value and array some live storage holds, and per output the Value its storage
+    held when the step began (``Storage.start``; ``clear``: a sync's pass clears it), from one
+    pass over the storages."""
+    outputs, held, starts = [], set(), []
     add, append = held.add, outputs.append
     for st in live_storages():
         v = st.value
+        start = st.start
+        if clear:
+            st.start = None
         i = id(v)
         if i in held:
             continue
         add(i)
         if v.node is not None:
             append(v)
+            starts.append(start)
         else:
             b = v.buf
             if type(b) is tuple:  # a piece: its pack is held (Note [Packed state])
                 add(id(b[0]))
             elif b is not None:
                 add(id(b))
-    return outputs, held
+    return outputs, held, starts
 
 
-def run(outputs, donate, held=None, learn=False):
+def run(outputs, donate, held=None, learn=False, starts=None):
     """Compute the pending Values ``outputs`` with one program and bind their arrays.
 
     With ``donate``, inputs no live storage holds give their buffers to the outputs; ``held`` is
     that set of ids when the caller has it already (``_live_outputs``). With ``learn`` (a
-    ``mark_step``), the step is remembered as a known step (Note [Known steps])."""
+    ``mark_step``), the step is remembered as a known step (Note [Known steps]), and small
+    results come back packed (Note [Packed state]): ``starts`` (``_live_outputs``) lets the
+    step's loose inputs move into packs laid out like its results first."""
     if not learn:
         known.spoil("part of the step ran before mark_step")
     if donate and held is None:
-        held = _live_outputs()[1]
-    graph = compiler.Graph(outputs, held if donate else None, pack.max_numel())
+        held = _live_outputs(clear=False)[1]
+    plan = None
+    if learn and starts is not None:  # a read's results are read at once: they stay loose
+        plan = pack.output_plan(outputs, starts, pack.max_numel())
+        if plan[1]:
+            pack.lay_out_like_results(outputs, starts, plan, held)
+    graph = compiler.Graph(outputs, held if donate else None, plan)
     args = _args(graph.floats, graph.ints, graph.args())
     exe = compiler.compiled_for(graph, args)
     if learn:
@@ -121,14 +134,14 @@ def sync(wait=False):
     if _last_sync_end[0] is not None:
         metrics.record_time("TraceTime", now - _last_sync_end[0])
     metrics.counter_inc("MarkStep")
-    outputs, held = _live_outputs()
+    outputs, held, starts = _live_outputs()
     explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
-        launch = known.match(outputs, held, precision.key())
+        launch = known.match(outputs, held, precision.key(), starts)
         if launch is not None:
             _run_known(launch, outputs)
         else:
-            run(outputs, donate=True, held=held, learn=True)
+            run(outputs, donate=True, held=held, learn=True, starts=starts)
     known.next_step()
     _gc_after_sync()
     if wait:

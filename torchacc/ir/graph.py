@@ -127,19 +127,28 @@ class ScalarSlot(int):
 
 
 class Storage:
-    """The memory of a base tensor: its current Value, the base's desc and a write counter."""
+    """The memory of a base tensor: its current Value, the base's desc and a write counter.
 
-    __slots__ = ("value", "desc", "version", "__weakref__")
+    ``start`` is the last computed Value (data, no pending node) the step overwrote: the
+    parameter an optimizer updates in place, the uploaded tensor a first step writes into;
+    None where the step overwrote none (a storage the step created and computes). Every sync
+    clears it (``engine.execute``). Note [Packed state] in program/pack.py packs such *state*."""
+
+    __slots__ = ("value", "desc", "version", "start", "__weakref__")
 
     def __init__(self, value, desc):
         self.value = value
         self.desc = desc
         self.version = 0
+        self.start = None
         _refs.append(_ref(self))
         if len(_refs) > _prune_at[0]:
             _prune()
 
     def write(self, value):
+        old = self.value
+        if old.node is None:
+            self.start = old
         self.value = value
         self.version += 1
 

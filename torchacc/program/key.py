@@ -52,10 +52,10 @@ class Graph:
         "out_packs",
     )
 
-    def __init__(self, outputs, held=None, pack_limit=0):
+    def __init__(self, outputs, held=None, plan=None):
         """``held``: ids of the Values and buffers live storages hold (``_live_outputs``), for
-        donation (None: donate nothing); ``pack_limit``: pack results of at most this many
-        elements (Note [Packed state] in pack.py)."""
+        donation (None: donate nothing); ``plan``: which outputs come back packed
+        (``pack.output_plan``; None: none, Note [Packed state] in pack.py)."""
         order, inputs = _collect(outputs)
         for i, v in enumerate(inputs):
             v.slot = i
@@ -80,7 +80,9 @@ class Graph:
         self.ints = ints
         self.out_slots = out_slots = tuple([v.node.slot + v.index for v in outputs])
         self.in_codes, self.packs, self.loose = pack.input_layout(inputs)
-        self.out_codes, self.out_packs = pack.output_plan(outputs, pack_limit)
+        if plan is None:
+            plan = (pack.LOOSE,) * len(outputs), ()
+        self.out_codes, self.out_packs = plan
         arg_avals = [((p.size,), p.dtype) for p in self.packs]
         arg_avals += [(v.desc[0], v.desc[2]) for v in self.loose]
         if held is None:

@@ -66,14 +66,15 @@ class Stream:
 class Variant:
     """One program of a stream: which stream positions and data inputs it uses."""
 
-    __slots__ = ("in_pick", "in_descs", "scalar_pos", "n_order", "launches")
+    __slots__ = ("in_pick", "in_descs", "scalar_pos", "n_order", "launches", "plan")
 
     def __init__(self, in_pick, in_descs, scalar_pos, n_order):
         self.in_pick = in_pick
         self.in_descs = in_descs
         self.scalar_pos = scalar_pos
         self.n_order = n_order
-        self.launches = {}  # (donatable flags, precision key) -> (executable, donated positions)
+        self.launches = {}
+        self.plan = None  # its packed results (pack.output_plan), the last time it was learnt  # (donatable flags, precision key) -> (executable, donated positions)
 
 
 class Launch:
@@ -221,11 +222,12 @@ def _output_codes(outputs, base):
     return tuple([(v.node.spos - base) << _SHIFT | v.index for v in outputs])
 
 
-def match(outputs, held, precision_key):
+def match(outputs, held, precision_key, starts=None):
     """The Launch of this step if it is a known step, else None (take the full path).
 
     ``outputs``: the pending Values to compute, ``held``: ids of Values and arrays live storages
-    hold (``engine.execute._live_outputs``)."""
+    hold, ``starts``: the Values the outputs' storages held before (all three from
+    ``engine.execute._live_outputs``)."""
     st = _step
     if not st.known or st.stream is None:
         return None
@@ -241,10 +243,12 @@ def match(outputs, held, precision_key):
     inputs = [data[k] for k in variant.in_pick]
     if [v.desc for v in inputs] != variant.in_descs:
         return None
-    codes, packs, loose = pack.input_layout(inputs)
-    compiled = variant.launches.get(
-        (codes, donatable_flags(packs, loose, held), precision_key)
-    )
+    compiled, packs, loose = _compiled_for(variant, inputs, held, precision_key)
+    if compiled is None and variant.plan is not None and variant.plan[1] and starts is not None:
+        # its state is not where the program reads it (a new model, a loaded checkpoint): lay
+        # it out as the full path would (Note [Packed state]) and look again
+        pack.lay_out_like_results(outputs, starts, variant.plan, held)
+        compiled, packs, loose = _compiled_for(variant, inputs, held, precision_key)
     if compiled is None:
         return None
     floats, ints = [], []
@@ -254,6 +258,13 @@ def match(outputs, held, precision_key):
             (ints if type(x) is int or type(x) is bool else floats).append(x)
     st.used = s
     return Launch(compiled, packs, loose, floats, ints, variant.n_order)
+
+
+def _compiled_for(variant, inputs, held, precision_key):
+    codes, packs, loose = pack.input_layout(inputs)
+    sizes = tuple([p.size for p in packs])
+    flags = donatable_flags(packs, loose, held)
+    return variant.launches.get((codes, sizes, flags, precision_key)), packs, loose
 
 
 def learn(graph, exe, held, precision_key):
@@ -297,7 +308,9 @@ def learn(graph, exe, held, precision_key):
         del variant.launches[next(iter(variant.launches))]
     flags = donatable_flags(graph.packs, graph.loose, held)
     compiled = (exe, graph.donate, graph.out_codes, graph.out_packs)
-    variant.launches[(graph.in_codes, flags, precision_key)] = compiled
+    variant.plan = (graph.out_codes, graph.out_packs)
+    sizes = tuple([p.size for p in graph.packs])
+    variant.launches[(graph.in_codes, sizes, flags, precision_key)] = compiled
 
 
 def next_step():

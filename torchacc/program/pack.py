@@ -91,22 +91,30 @@ def input_layout(inputs):
     return tuple(codes), packs, loose
 
 
-def output_plan(outputs, limit):
+def output_plan(outputs, starts, limit):
     """Per output its code (``LOOSE`` or pack position and offset) and each pack's (size,
     dtype), packs in order of their dtype's first output.
 
+    Only *state* is packed: results of at most ``limit`` elements whose storage held a computed
+    Value when the step began (``starts[j]``, see ``Storage.start``): parameters, optimizer
+    state, running statistics. What a step creates (gradients set to None every step, the
+    loss, a tensor kept for logging every N steps) stays loose, so the packs -- and the next
+    step's program, which reads them -- do not change with what else a step returns.
+
     Pieces are placed in the order the step recorded the nodes computing them, not in the order
-    of ``outputs`` (storage creation): a training loop's gradients are new storages every step,
-    created after the optimizer state, but computed before it in every step. So the first step
-    (which creates the optimizer state) and the steady steps pack alike, and the steady step's
-    inputs are laid out as its outputs: no extra compile for a new layout."""
+    of ``outputs`` (storage creation), so that a first step that creates the optimizer state and
+    the steady steps place the parameters alike."""
     codes = [LOOSE] * len(outputs)
     if limit <= 0:
         return tuple(codes), ()
-    small = [(v.node.seq, v.index, j) for j, v in enumerate(outputs) if _numel(v) <= limit]
-    small.sort()  # in recording order (see the note above ``output_plan``'s caller)
+    state = [
+        (v.node.seq, v.index, j)
+        for j, (v, start) in enumerate(zip(outputs, starts))
+        if start is not None and start.node is None and _numel(v) <= limit
+    ]
+    state.sort()
     sizes, where = [], {}
-    for _, _, j in small:
+    for _, _, j in state:
         dtype = outputs[j].desc[2]
         k = where.get(dtype)
         if k is None:
@@ -119,6 +127,79 @@ def output_plan(outputs, limit):
 
 def _numel(v):
     return math.prod(v.desc[0])
+
+
+def lay_out_like_results(outputs, starts, plan, held):
+    """Put the step's state inputs where the step's packed results will be, before it runs.
+
+    ``starts[j]`` is the Value the storage of ``outputs[j]`` held when the step began. Unless
+    every packed result's earlier Value already sits at the result's place in one pack of the
+    same size (the steady state), they are gathered into a new pack laid out like the results
+    (one small gather program per layout) and become its pieces. The step's program then reads
+    its state exactly as the next step will read this step's results, so both run one
+    executable: a loop whose first step is its steady step (plain SGD, a resumed run, a loaded
+    state dict) compiles once, as without packing. ``held`` gains the new packs that a live
+    storage holds a piece of."""
+    codes, sizes = plan
+    members = [[] for _ in sizes]
+    for v, start, code in zip(outputs, starts, codes):
+        if code >= 0 and start.desc[0] == v.desc[0] and start.desc[2] == v.desc[2]:
+            if start.buf is not None and (
+                type(start.buf) is not tuple or start.buf[0].array is not None
+            ):
+                members[code >> SHIFT].append((code & _MASK, start))
+    for (size, dtype), group in zip(sizes, members):
+        if not group or _in_place(group, size):
+            continue
+        sources, where, layout = [], {}, []
+        for offset, s in group:
+            b = s.buf
+            src, at = (b[0].array, b[1]) if type(b) is tuple else (b, LOOSE)
+            i = where.get(id(src))
+            if i is None:
+                i = where[id(src)] = len(sources)
+                sources.append(src)
+            layout.append((offset, tuple(s.desc[0]), i, at))
+        pack = Pack(_gather_jit(size, tuple(layout), *sources), size, dtype)
+        for offset, s in group:
+            s.buf = (pack, offset)
+            if id(s) in held:
+                held.add(id(pack))
+
+
+def _in_place(group, size):
+    """Whether every Value of ``group`` already is the piece at its offset of one pack of
+    ``size`` elements."""
+    first = group[0][1].buf
+    if type(first) is not tuple or first[0].size != size:
+        return False
+    pack = first[0]
+    for offset, s in group:
+        b = s.buf
+        if type(b) is not tuple or b[0] is not pack or b[1] != offset:
+            return False
+    return True
+
+
+def _gather(size, layout, *sources):
+    """Inside a program: a pack of ``size`` elements with, per ``(offset, shape, source, at)``
+    of ``layout``, source array ``source`` (or its piece at ``at``) at ``offset``; gaps (a
+    result whose earlier Value had another shape) are zeros."""
+    parts, end = [], 0
+    dtype = sources[0].dtype
+    for offset, shape, i, at in sorted(layout):
+        src = sources[i]
+        x = src.reshape(-1) if at == LOOSE else piece(src, at, (math.prod(shape),))
+        if offset > end:
+            parts.append(jax.numpy.zeros((offset - end,), dtype))
+        parts.append(x.astype(dtype))
+        end = offset + math.prod(shape)
+    if size > end:
+        parts.append(jax.numpy.zeros((size - end,), dtype))
+    return jax.numpy.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+_gather_jit = jax.jit(_gather, static_argnums=(0, 1))
 
 
 def bind(results, outputs, out_codes, out_packs):
