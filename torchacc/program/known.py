@@ -73,8 +73,10 @@ class Variant:
         self.in_descs = in_descs
         self.scalar_pos = scalar_pos
         self.n_order = n_order
+        # (input codes, pack sizes, donatable flags, precision key) ->
+        # (executable, donated positions, output codes, output packs)
         self.launches = {}
-        self.plan = None  # its packed results (pack.output_plan), the last time it was learnt  # (donatable flags, precision key) -> (executable, donated positions)
+        self.plan = None  # (output codes, output packs, max_numel) the last time it was learnt
 
 
 class Launch:
@@ -243,11 +245,13 @@ def match(outputs, held, precision_key, starts=None):
     inputs = [data[k] for k in variant.in_pick]
     if [v.desc for v in inputs] != variant.in_descs:
         return None
+    if variant.plan is not None and variant.plan[2] != pack.max_numel():
+        return None  # TORCHACC_PACK_MAX_NUMEL changed: the full path packs by the new setting
     compiled, packs, loose = _compiled_for(variant, inputs, held, precision_key)
     if compiled is None and variant.plan is not None and variant.plan[1] and starts is not None:
         # its state is not where the program reads it (a new model, a loaded checkpoint): lay
         # it out as the full path would (Note [Packed state]) and look again
-        pack.lay_out_like_results(outputs, starts, variant.plan, held)
+        pack.lay_out_like_results(outputs, starts, variant.plan[:2], held)
         compiled, packs, loose = _compiled_for(variant, inputs, held, precision_key)
     if compiled is None:
         return None
@@ -308,7 +312,7 @@ def learn(graph, exe, held, precision_key):
         del variant.launches[next(iter(variant.launches))]
     flags = donatable_flags(graph.packs, graph.loose, held)
     compiled = (exe, graph.donate, graph.out_codes, graph.out_packs)
-    variant.plan = (graph.out_codes, graph.out_packs)
+    variant.plan = (graph.out_codes, graph.out_packs, pack.max_numel())
     sizes = tuple([p.size for p in graph.packs])
     variant.launches[(graph.in_codes, sizes, flags, precision_key)] = compiled
 

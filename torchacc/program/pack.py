@@ -8,23 +8,31 @@ and batch-norm statistic it updated: ~800 results for ResNet-50 with AdamW, most
 known step's ``mark_step`` (measured on the CPU box: 1 input / 805 outputs 1.1-2.5 ms per call,
 645 inputs / 1 output 0.28 ms).
 
-So a program returns its results of at most ``max_numel()`` elements concatenated, one flat
-array per dtype (a ``Pack``), followed by its larger results as they are. Each packed Value's
-``buf`` is the piece ``(pack, offset)``; its shape is its desc's. A piece is not a separate
-buffer:
+So a ``mark_step``'s program returns its small *state* -- results of at most ``max_numel()``
+elements (16K by default) whose storage overwrote a computed Value in the step (``Storage.start``:
+parameters, optimizer moments, running statistics; not gradients set to None, the loss, or a
+tensor kept for logging) -- concatenated, one flat array per dtype (a ``Pack``), followed by its
+other results as they are. Each packed Value's ``buf`` is the piece ``(pack, offset)``; its shape
+is its desc's. A piece is not a separate buffer:
 
 - **As an input**, the program takes the pack and slices its pieces out (static slices, which
   XLA fuses into their readers). ``input_layout`` gives each input's place: its pack's position
   among the program's packs and its offset, or ``LOOSE``. The layout is part of the key (Note
-  [What a compiled step is keyed on]): the step after a step that returned the same packs reads
-  them the same way, so one executable serves every later step.
+  [What a compiled step is keyed on]) and of a known step's launch.
+- **One layout per loop.** Pieces are placed in the order the step recorded the nodes that
+  compute them, and before a step whose state is not already where its results will be (the
+  first step, with uploaded parameters; the step where optimizer state appears; a new model or
+  a loaded checkpoint) ``lay_out_like_results`` gathers the state into a pack laid out like the
+  results. That step's program then reads its state exactly as the next step reads its
+  results, so packing adds no compile: the same programs as without it, the same count.
 - **Donation** is per pack: a pack is donated when no live storage holds a piece of it that this
   step does not recompute (a frozen parameter packed with updated ones keeps the old pack alive;
   the packs hold small tensors only, so that costs little memory). Donating a pack deletes its
   array for every piece at once (``Pack.array = None``).
 - **Reading** a piece (``Value.array``: ``.cpu()``, a transfer, ``call_jax``) slices it out of
   its pack on the device; the Value stays a piece, so reading a parameter does not change the
-  next step's program.
+  next step's program. A read that runs part of a step (``.item()`` before ``mark_step``)
+  returns its results loose.
 
 Large results stay separate: a library call (cuDNN convolution, cuBLAS matmul) reads its operands
 from their own buffers, and a slice of a large pack fed to one would be copied first.
