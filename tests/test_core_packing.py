@@ -117,15 +117,18 @@ def test_fewer_results_per_step():
     opt = torch.optim.AdamW(model.parameters())
     for s in range(3):
         x, y = (t.to(DEV) for t in _batch(s))
-        F.cross_entropy(model(x), y).backward()
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
         opt.step()
-        opt.zero_grad()
         torchacc.sync()
-    # state: 5 parameters x (param, exp_avg, exp_avg_sq, step) + 2 running statistics in one
-    # float32 pack, num_batches_tracked in an int64 one; loose: the 5 gradients and the loss
-    n_state = 5 * 4 + 2 + 1
-    assert len(execute._last_outputs) <= 2 + 5 + 1, len(execute._last_outputs)
-    assert len(execute._last_outputs) < n_state
+        grads = [p.grad for p in model.parameters()]
+        opt.zero_grad()
+    # 5 parameters x (param, exp_avg, exp_avg_sq, step) + 2 running statistics: a float32 state
+    # pack; num_batches_tracked: an int64 one; the 5 gradients and the loss (held here): a
+    # float32 pack of what the step created
+    assert len(execute._last_outputs) == 3, len(execute._last_outputs)
+    created = {id(buffer_of(t._st.value)) for t in [loss, *grads]}
+    assert len(created) == 1 and not (created & {id(a) for a in execute._last_outputs[:2]})
 
 
 def test_resume_from_cpu_state_dicts_compiles_one_program(monkeypatch):

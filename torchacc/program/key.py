@@ -88,7 +88,7 @@ class Graph:
         if held is None:
             self.donate = ()
         else:
-            out_avals = [((n,), d) for n, d in self.out_packs]
+            out_avals = [((n,), d) for n, d, _ in self.out_packs]
             out_avals += [(v.desc[0], v.desc[2]) for v, c in zip(outputs, self.out_codes) if c < 0]
             flags = donatable_flags(self.packs, self.loose, held)
             self.donate = donations(arg_avals, out_avals, flags)
@@ -98,15 +98,23 @@ class Graph:
 
     def args(self):
         """The program's array arguments: the packs' arrays, then the loose inputs' arrays."""
-        return [p.array for p in self.packs] + [v.buf for v in self.loose]
+        return args_of(self.packs, self.loose)
+
+
+def args_of(packs, loose):
+    """The packs' arrays, then the loose inputs' arrays (a loose piece, of a pack of results
+    that are not state, sliced out of it)."""
+    return [p.array for p in packs] + [v.array if type(v.buf) is tuple else v.buf for v in loose]
 
 
 def donatable_flags(packs, loose, held):
     """Per program argument, whether no live storage holds it (``held``: ids of the Values and
     buffers live storages hold): a pack when no live Value is a piece of it, a loose input when
-    neither it nor its array is held."""
+    neither it nor its array is held (never a piece sliced out: its Value stays a piece)."""
     flags = [id(p) not in held for p in packs]
-    flags += [id(v) not in held and id(v.buf) not in held for v in loose]
+    flags += [
+        type(v.buf) is not tuple and id(v) not in held and id(v.buf) not in held for v in loose
+    ]
     return tuple(flags)
 
 

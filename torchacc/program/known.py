@@ -42,7 +42,7 @@ import sys
 
 from torchacc.ir import graph as ir_graph
 from torchacc.program import pack
-from torchacc.program.key import donatable_flags
+from torchacc.program.key import args_of, donatable_flags
 
 _STEP = 1 << 40  # base spacing: positions and data numbers of one step stay below the next base
 _SHIFT = 24  # a pending input's code: (stream position << _SHIFT) | output index
@@ -104,7 +104,7 @@ class Launch:
         self.n_order = n_order
 
     def args(self):
-        return [p.array for p in self.packs] + [v.buf for v in self.loose]
+        return args_of(self.packs, self.loose)
 
 
 class _Step:

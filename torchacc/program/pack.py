@@ -56,14 +56,16 @@ DEFAULT_MAX_NUMEL = 1 << 14  # 16K elements: 64 KiB in float32
 
 class Pack:
     """One flat array of ``size`` elements of torch dtype ``dtype`` holding several Values (its
-    ``array`` is None once donated)."""
+    ``array`` is None once donated); ``state``: a pack of state, read by the next step as a
+    pack (else of results the step created, whose pieces a later program reads loose)."""
 
-    __slots__ = ("array", "size", "dtype")
+    __slots__ = ("array", "size", "dtype", "state")
 
-    def __init__(self, array, size, dtype):
+    def __init__(self, array, size, dtype, state=True):
         self.array = array
         self.size = size
         self.dtype = dtype
+        self.state = state
 
 
 def max_numel():
@@ -86,7 +88,7 @@ def input_layout(inputs):
     codes, packs, loose, where = [], [], [], {}
     for v in inputs:
         b = v.buf
-        if type(b) is tuple:
+        if type(b) is tuple and b[0].state:
             pack = b[0]
             k = where.get(id(pack))
             if k is None:
@@ -103,11 +105,13 @@ def output_plan(outputs, starts, limit):
     """Per output its code (``LOOSE`` or pack position and offset) and each pack's (size,
     dtype), packs in order of their dtype's first output.
 
-    Only *state* is packed: results of at most ``limit`` elements whose storage held a computed
-    Value when the step began (``starts[j]``, see ``Storage.start``): parameters, optimizer
-    state, running statistics. What a step creates (gradients set to None every step, the
-    loss, a tensor kept for logging every N steps) stays loose, so the packs -- and the next
-    step's program, which reads them -- do not change with what else a step returns.
+    Results of at most ``limit`` elements are packed per dtype, *state* and the rest apart.
+    State is a result whose storage overwrote a computed Value in the step (``starts[j]``, see
+    ``Storage.start``): parameters, optimizer state, running statistics; the next step reads it
+    from its pack. The rest is what the step created (gradients set to None every step, the
+    loss, a tensor kept for logging every N steps): a later program that reads one of those
+    gets it sliced out (loose), so the state packs -- and the next step's program -- do not
+    change with what else a step returns.
 
     Pieces are placed in the order the step recorded the nodes computing them, not in the order
     of ``outputs`` (storage creation), so that a first step that creates the optimizer state and
@@ -115,22 +119,19 @@ def output_plan(outputs, starts, limit):
     codes = [LOOSE] * len(outputs)
     if limit <= 0:
         return tuple(codes), ()
-    state = [
-        (v.node.seq, v.index, j)
-        for j, (v, start) in enumerate(zip(outputs, starts))
-        if start is not None and start.node is None and _numel(v) <= limit
-    ]
-    state.sort()
+    small = [(v.node.seq, v.index, j) for j, v in enumerate(outputs) if _numel(v) <= limit]
+    small.sort()
     sizes, where = [], {}
-    for _, _, j in state:
-        dtype = outputs[j].desc[2]
-        k = where.get(dtype)
+    for _, _, j in small:
+        start = starts[j]
+        group = (outputs[j].desc[2], start is not None and start.node is None)
+        k = where.get(group)
         if k is None:
-            k = where[dtype] = len(sizes)
-            sizes.append([0, dtype])
+            k = where[group] = len(sizes)
+            sizes.append([0, *group])
         codes[j] = k << SHIFT | sizes[k][0]
         sizes[k][0] += _numel(outputs[j])
-    return tuple(codes), tuple((n, dtype) for n, dtype in sizes)
+    return tuple(codes), tuple(tuple(size) for size in sizes)
 
 
 def _numel(v):
@@ -149,14 +150,16 @@ def lay_out_like_results(outputs, starts, plan, held):
     state dict) compiles once, as without packing. ``held`` gains the new packs that a live
     storage holds a piece of."""
     codes, sizes = plan
-    members = [[] for _ in sizes]
+    members = [[] for _ in sizes]  # (only state packs get members: the rest have no start)
     for v, start, code in zip(outputs, starts, codes):
-        if code >= 0 and start.desc[0] == v.desc[0] and start.desc[2] == v.desc[2]:
+        if code < 0 or start is None or not sizes[code >> SHIFT][2]:
+            continue  # loose, or a result the step created
+        if start.desc[0] == v.desc[0] and start.desc[2] == v.desc[2]:
             if start.buf is not None and (
                 type(start.buf) is not tuple or start.buf[0].array is not None
             ):
                 members[code >> SHIFT].append((code & _MASK, start))
-    for (size, dtype), group in zip(sizes, members):
+    for (size, dtype, _), group in zip(sizes, members):
         if not group or _in_place(group, size):
             continue
         sources, where, layout = [], {}, []
@@ -179,7 +182,7 @@ def _in_place(group, size):
     """Whether every Value of ``group`` already is the piece at its offset of one pack of
     ``size`` elements."""
     first = group[0][1].buf
-    if type(first) is not tuple or first[0].size != size:
+    if type(first) is not tuple or first[0].size != size or not first[0].state:
         return False
     pack = first[0]
     for offset, s in group:
@@ -213,7 +216,7 @@ _gather_jit = jax.jit(_gather, static_argnums=(0, 1))
 def bind(results, outputs, out_codes, out_packs):
     """Give each output Value its array or its piece of a pack (``results``: the packs first, as
     ``output_plan`` gave them in ``out_packs``, then the loose outputs)."""
-    packs = [Pack(a, n, dtype) for a, (n, dtype) in zip(results, out_packs)]
+    packs = [Pack(a, n, dtype, state) for a, (n, dtype, state) in zip(results, out_packs)]
     j = len(packs)
     for v, code in zip(outputs, out_codes):
         if code < 0:
