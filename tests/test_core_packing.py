@@ -214,3 +214,37 @@ def test_a_bad_setting_names_the_variable(monkeypatch, text):
     monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", text)
     with pytest.raises(ValueError, match="TORCHACC_PACK_MAX_NUMEL.*whole number"):
         pack.max_numel()
+
+
+def test_a_step_reading_the_previous_steps_loss(monkeypatch):
+    """A result the step created (the loss) that the next step reads in its graph is sliced out
+    of its pack and passed loose: right values, the same programs as without packing, and its
+    Value stays readable afterwards."""
+
+    def loop(device):
+        torch.manual_seed(0)
+        model = Net().to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        prev, smooth, seen = None, torch.zeros(()).to(device), []
+        for s in range(6):
+            x, y = (t.to(device) for t in _batch(s))
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if prev is not None:
+                smooth.mul_(0.9).add_(prev.detach(), alpha=0.1)  # last step's loss
+            prev = loss
+            if device != "cpu":
+                torchacc.sync()
+            seen.append(prev)
+        return [smooth.cpu()] + [t.detach().cpu() for t in seen]
+
+    want = loop("cpu")
+    built = {}
+    for setting in ("0", ""):
+        monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", setting)
+        got, built[setting] = _counted(lambda: loop(DEV))
+        for a, b in zip(got, want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert built["0"] == built[""]
