@@ -67,9 +67,9 @@ def test_notebook_executes(tmp_path):
         if cell.cell_type == "code":
             text[cell.metadata["tags"][0]] = "".join(o.get("text", "") for o in cell.outputs)
     assert "wrote 8 " in text["prepare"] and " images in 4 classes" in text["prepare"]
-    assert f"[summary] resnet50 eager x1 {eager_device_type()} O0/fp32" in text["baseline"]
+    assert f"[summary] resnet-tiny eager x1 {eager_device_type()} O0/fp32" in text["baseline"]
     assert "baseline_1p" in text["compare"]
     assert (tmp_path / "work" / "baseline_1p.json").exists()
     if RUN_COMPILER_CELLS:
-        assert "[summary] resnet50 torchacc x1" in text["torchacc"]
+        assert "[summary] resnet-tiny torchacc x1" in text["torchacc"]
         assert "torchacc_1p" in text["compare"]

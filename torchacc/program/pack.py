@@ -37,6 +37,14 @@ is its desc's. A piece is not a separate buffer:
 Large results stay separate: a library call (cuDNN convolution, cuBLAS matmul) reads its operands
 from their own buffers, and a slice of a large pack fed to one would be copied first.
 ``TORCHACC_PACK_MAX_NUMEL=0`` switches packing off.
+
+The price is compile time: XLA:CPU spends ~8 ms more per piece read from a pack than per
+separate input (measured with trivial programs: 640 slices of one array feeding 640 results
+compile in 5.4 s, 640 separate inputs in 0.7 s; linear in the count; an optimization barrier
+between the results and the concatenations did not change it). The narrow ResNet-50 step's two
+programs compiled in 19.1 s and 22.9 s instead of 13.9 s and 13.6 s. A step is compiled once
+and launched thousands of times, so the trade is for the launches; GPU compile time with packs
+is not measured yet.
 """
 
 from __future__ import annotations
