@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -248,3 +249,27 @@ def test_a_step_reading_the_previous_steps_loss(monkeypatch):
         for a, b in zip(got, want, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
     assert built["0"] == built[""]
+
+
+def test_reading_many_pieces_copies_each_pack_once():
+    """A state dict read copies each pack to the host once and slices it there (not one device
+    slice and transfer per tensor); a piece read on the device (``Value.array``) is the same
+    data; the next step's new packs are read afresh."""
+    torchacc.sync()
+    model = Net().to(DEV)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for s in range(3):
+        x, y = (t.to(DEV) for t in _batch(s))
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        values = [p._st.value for p in model.parameters()]
+        packs = {id(v.buf[0]): v.buf[0] for v in values}
+        assert len(packs) == 1 and next(iter(packs.values())).host is None
+        metrics.clear_all()
+        host = [p.detach().cpu() for p in model.parameters()]
+        assert metrics.counter_value("TransferFromDevice") == len(values)
+        assert next(iter(packs.values())).host is not None
+        for v, h in zip(values, host):
+            torch.testing.assert_close(torch.from_numpy(np.asarray(v.array)), h, rtol=0, atol=0)

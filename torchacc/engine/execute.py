@@ -40,6 +40,8 @@ def fetch(value, dtype):
     if value.node is not None:
         explain.on_read()  # Note [Explaining syncs and compiles]
         run([value], donate=False)
+    if type(value.buf) is tuple:  # a piece of a pack (Note [Packed state])
+        return read(pack.host_piece(value), dtype)
     return read(value.array, dtype)
 
 

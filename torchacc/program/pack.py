@@ -53,6 +53,7 @@ import math
 import os
 
 import jax
+import numpy as np
 
 from torchacc.ir import graph as ir_graph
 
@@ -67,13 +68,14 @@ class Pack:
     ``array`` is None once donated); ``state``: a pack of state, read by the next step as a
     pack (else of results the step created, whose pieces a later program reads loose)."""
 
-    __slots__ = ("array", "size", "dtype", "state")
+    __slots__ = ("array", "size", "dtype", "state", "host")
 
     def __init__(self, array, size, dtype, state=True):
         self.array = array
         self.size = size
         self.dtype = dtype
         self.state = state
+        self.host = None  # a NumPy copy, made by the first host read of a piece
 
 
 def max_numel():
@@ -254,14 +256,32 @@ def concat(arrays):
     return jax.numpy.concatenate([a.reshape(-1) for a in arrays])
 
 
-_unpack_jit = jax.jit(piece, static_argnums=(1, 2))
+def _dynamic_piece(flat, offset, shape):
+    n = math.prod(shape)
+    return jax.lax.dynamic_slice(flat, (offset,), (n,)).reshape(shape)
+
+
+# the offset is an argument, so reading every piece of a pack compiles once per shape
+_unpack_jit = jax.jit(_dynamic_piece, static_argnums=(2,))
 
 
 def _unpack(pack, offset, desc):
     array = pack.array
     if array is None:
         return None  # donated with its pack
-    return _unpack_jit(array, offset, tuple(desc[0]))
+    return _unpack_jit(array, np.int64(offset), tuple(desc[0]))
+
+
+def host_piece(value):
+    """``value``'s data as a NumPy array, from a host copy of its whole pack made at the first
+    read (a pack's array never changes: a step's results are new packs). Reading a state dict
+    then costs one transfer per pack, not one device slice and transfer per tensor."""
+    pack, offset = value.buf
+    host = pack.host
+    if host is None:
+        host = pack.host = np.asarray(pack.array)
+    shape = value.desc[0]
+    return host[offset : offset + math.prod(shape)].reshape(shape)
 
 
 ir_graph.unpack[0] = _unpack
