@@ -113,7 +113,7 @@ def input_layout(inputs):
 
 def output_plan(outputs, starts, limit):
     """Per output its code (``LOOSE`` or pack position and offset) and each pack's (size,
-    dtype), packs in order of their dtype's first output.
+    dtype, state), packs in order of their first output.
 
     Results of at most ``limit`` elements are packed per dtype, *state* and the rest apart.
     State is a result whose storage overwrote a computed Value in the step (``starts[j]``, see
@@ -164,11 +164,8 @@ def lay_out_like_results(outputs, starts, plan, held):
     for v, start, code in zip(outputs, starts, codes):
         if code < 0 or start is None or not sizes[code >> SHIFT][2]:
             continue  # loose, or a result the step created
-        if start.desc[0] == v.desc[0] and start.desc[2] == v.desc[2]:
-            if start.buf is not None and (
-                type(start.buf) is not tuple or start.buf[0].array is not None
-            ):
-                members[code >> SHIFT].append((code & _MASK, start))
+        if _movable(start, v):
+            members[code >> SHIFT].append((code & _MASK, start))
     for (size, dtype, _), group in zip(sizes, members):
         if not group or _in_place(group, size):
             continue
@@ -186,6 +183,13 @@ def lay_out_like_results(outputs, starts, plan, held):
             s.buf = (pack, offset)
             if id(s) in held:
                 held.add(id(pack))
+
+
+def _movable(start, v):
+    """Whether ``start`` (a storage's earlier Value) has data of ``v``'s shape and dtype."""
+    if start.desc[0] != v.desc[0] or start.desc[2] != v.desc[2] or start.buf is None:
+        return False
+    return type(start.buf) is not tuple or start.buf[0].array is not None
 
 
 def _in_place(group, size):
@@ -209,12 +213,12 @@ def _gather(size, layout, *sources):
     parts, end = [], 0
     dtype = sources[0].dtype
     for offset, shape, i, at in sorted(layout):
-        src = sources[i]
-        x = src.reshape(-1) if at == LOOSE else piece(src, at, (math.prod(shape),))
+        src, n = sources[i], math.prod(shape)
+        x = src.reshape(-1) if at == LOOSE else piece(src, at, (n,))
         if offset > end:
             parts.append(jax.numpy.zeros((offset - end,), dtype))
         parts.append(x.astype(dtype))
-        end = offset + math.prod(shape)
+        end = offset + n
     if size > end:
         parts.append(jax.numpy.zeros((size - end,), dtype))
     return jax.numpy.concatenate(parts) if len(parts) > 1 else parts[0]
