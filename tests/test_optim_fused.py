@@ -179,3 +179,105 @@ def test_syncfree_state_dict_round_trip_continues_exactly():
         step(model, opt, b)
         step(clone, clone_opt, b)
     assert _max_diff(model, clone) == 0.0
+
+
+# --- Note [Flat optimizer updates] -----------------------------------------------------------
+
+_BIG = (130, 128)  # 16,640 elements: above the pack limit (16,384), so updated on its own
+_SHAPES = [(4,), (), (3, 5), _BIG, (2, 2, 2), (7,), (1,)]
+
+
+def _mixed_lists(device, n_lists, seed=5):
+    """Lists of members with mixed shapes (one large) and per-member step counts that differ."""
+    g = torch.Generator().manual_seed(seed)
+    lists = [[torch.randn(s, generator=g) for s in _SHAPES] for _ in range(n_lists)]
+    return [[t.to(device) for t in lst] for lst in lists]
+
+
+@pytest.mark.parametrize("amsgrad", [False, True])
+@pytest.mark.parametrize("found_inf", [None, 0.0, 1.0])
+def test_flat_adam_update_of_mixed_members_matches_eager_kernel(amsgrad, found_inf):
+    kw = dict(lr=0.05, beta1=0.8, beta2=0.95, weight_decay=0.01, eps=1e-6, amsgrad=amsgrad,
+              maximize=False)  # fmt: skip
+    results = []
+    for dev in ("cpu", DEV):
+        p, gr, m, v, vmax = _mixed_lists(dev, 5)
+        v = [t.abs() for t in v]
+        vmax = [t.abs() + 1 for t in vmax] if amsgrad else []
+        # every member its own count, all different (no shared scalar to fall back on)
+        steps = [torch.tensor(float(k + 1), device=dev) for k in range(len(p))]
+        extra = {}
+        if found_inf is not None:
+            extra = dict(grad_scale=torch.tensor(2.0, device=dev),
+                         found_inf=torch.tensor(found_inf, device=dev))  # fmt: skip
+        torch._fused_adamw_(p, gr, m, v, vmax, steps, **kw, **extra)
+        torchacc.sync()
+        results.append([[t.cpu() for t in lst] for lst in (p, gr, m, v, vmax)])
+    for e_list, d_list in zip(*results):
+        for e, d in zip(e_list, d_list):
+            torch.testing.assert_close(d, e, rtol=1e-6, atol=1e-7)
+    if found_inf == 1.0:  # skipped: nothing changed, bit for bit
+        untouched = _mixed_lists("cpu", 5)
+        for lst, before in zip(results[1][:3], untouched[:3]):
+            for d, b in zip(lst, before):
+                assert torch.equal(d, b)
+
+
+@pytest.mark.parametrize("momentum,nesterov", [(0.0, False), (0.9, False), (0.9, True)])
+def test_flat_sgd_update_of_mixed_members_matches_eager_kernel(momentum, nesterov):
+    results = []
+    for dev in ("cpu", DEV):
+        p, gr, buf = _mixed_lists(dev, 3)
+        for first in (True, False):
+            torch._fused_sgd_(p, gr, buf if momentum else [], weight_decay=0.01,
+                              momentum=momentum, lr=0.1, dampening=0.1, nesterov=nesterov,
+                              maximize=False, is_first_step=first)  # fmt: skip
+        torchacc.sync()
+        results.append([t.cpu() for t in p + (buf if momentum else [])])
+    # values of magnitude ~1 after two steps: the kernels may round the last bit of a sum apart
+    # (fused multiply-add or not), a few 1e-7 absolute where momentum and gradient nearly cancel
+    for e, d in zip(*results):
+        torch.testing.assert_close(d, e, rtol=1e-6, atol=1e-6)
+
+
+def _compiled_fusions(n_small, flat):
+    """XLA kernels of a packed-state step's fused AdamW over ``n_small`` members, as a step
+    program has it (Note [Packed state]): each list's members are pieces of one pack, the results
+    go into one pack; ``flat=False`` updates member by member (the rule before the flat update)."""
+    import jax
+    import jax.numpy as jnp
+
+    from torchacc.lowering import optim
+    from torchacc.program import pack
+
+    shape, n = (5,), n_small
+    size = 5
+
+    def rule(state, *gs):  # state: params | exp_avgs | exp_avg_sqs; gradients: loose
+        lists = [[pack.piece(state, (j * n + i) * size, shape) for i in range(n)] for j in range(3)]
+        step = jnp.float32(3.0)  # the shared count of Note [One step count per group]
+        kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
+                  maximize=False)  # fmt: skip
+        if flat:
+            p, _, m, v, _ = optim.fused_adamw(lists[0], gs, *lists[1:], [], [step] * n, **kw)
+        else:
+            outs = [optim.fused_adamw([a], [g], [b], [c], [], [step], **kw)
+                    for a, g, b, c in zip(*lists[:1], gs, *lists[1:])]  # fmt: skip
+            p, m, v = ([o[k][0] for o in outs] for k in (0, 2, 3))
+        return pack.concat(p + m + v)
+
+    args = (jnp.ones(3 * n * size, jnp.float32), *[jnp.ones(shape, jnp.float32)] * n)
+    text = jax.jit(rule).lower(*args).compile().as_text()
+    return text[text.index("ENTRY") :].count(" fusion(")
+
+
+def test_small_members_of_a_pack_update_as_one_flat_array(monkeypatch):
+    """Under packed state, the kernels of a group's update do not grow with its small members:
+    member by member each took kernels of its own, distinct programs for XLA to compile. With
+    packing off the members are separate arrays, and each keeps its own update."""
+    few, many = _compiled_fusions(4, flat=True), _compiled_fusions(40, flat=True)
+    assert many == few
+    by_member = _compiled_fusions(40, flat=False)
+    assert by_member > many + 40
+    monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", "0")
+    assert _compiled_fusions(40, flat=True) == by_member

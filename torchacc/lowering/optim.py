@@ -55,6 +55,90 @@ def _unscaled(grad, grad_scale, compute):
     return g
 
 
+# Note [Flat optimizer updates]
+# A fused update is elementwise, so the members of a group that packed state keeps in packs
+# (Note [Packed state] in program/pack.py: at most TORCHACC_PACK_MAX_NUMEL elements, i.e. biases,
+# norm scales, small weights) are updated as ONE flat array when their dtypes match: each list's
+# members are raveled and concatenated, the update runs once, and the results are sliced back.
+# Member by member it would be a few XLA kernels each, and distinct ones: each member is read at its
+# own offset of a pack, so no two members' kernels are the same program and XLA compiles every one
+# (~8 ms each on XLA:CPU); on a GPU each kernel is also a launch per step. The members are
+# consecutive pieces of a pack (an optimizer's outputs of the step before, laid out in order), so
+# their concatenation folds back into one slice of it, and the results into the output pack.
+# Larger members keep their own update (concatenating them would copy them), and so does every
+# member when packing is off: separate arrays concatenated and sliced apart again gave XLA:CPU
+# more kernels and copies, not fewer (measured on the narrow ResNet-50 step). Per-member scalars
+# (each member's bias corrections) are broadcast over its span, or stay one scalar where the
+# members share their step count (Note [One step count per group] in amp/syncfree/_base.py). Each
+# element sees the same operations as member by member; only the last bit may differ where XLA:CPU
+# vectorizes a long array differently.
+
+
+def _flat_limit():
+    from torchacc.program import pack  # the program stage imports this one
+
+    return pack.max_numel()
+
+
+def _lists_update(update, lists, n, scalars_of=None, keys=None):
+    """``update(arrays, scalars)`` -> new arrays, for each of the ``n`` members of ``lists`` (an
+    empty list gives None members); the members a pack would hold, once per flat group of equal
+    dtypes (Note [Flat optimizer updates]). ``scalars_of(key)`` gives a member's scalars from its
+    ``keys[i]``, once per distinct key. Returns one output list per array ``update`` returns."""
+    cache, limit = {}, _flat_limit()
+
+    def scalars(i):
+        if scalars_of is None:
+            return ()
+        key = keys[i]
+        got = cache.get(id(key))
+        if got is None:
+            got = cache[id(key)] = (key, scalars_of(key))
+        return got[1]
+
+    def member(lst, i):
+        return lst[i] if lst else None
+
+    groups, out = {}, [None] * n
+    for i in range(n):
+        arrays = [member(lst, i) for lst in lists]
+        if limit and arrays[0].size <= limit:
+            dtypes = tuple(None if a is None else a.dtype for a in arrays)
+            groups.setdefault(dtypes, []).append(i)
+        else:
+            out[i] = update(arrays, scalars(i))
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = update([member(lst, idx[0]) for lst in lists], scalars(idx[0]))
+            continue
+        for i, results in zip(idx, _flat_update(update, lists, idx, scalars)):
+            out[i] = results
+    return [list(column) for column in zip(*out)] if n else []
+
+
+def _flat_update(update, lists, idx, scalars):
+    """The members ``idx`` updated as one flat array; per member its results."""
+    shapes = [lists[0][i].shape for i in idx]
+    sizes = [lists[0][i].size for i in idx]
+    flat = [jnp.concatenate([lst[i].ravel() for i in idx]) if lst else None for lst in lists]
+    per = [scalars(i) for i in idx]
+    shared = []
+    for k in range(len(per[0])):
+        values = [s[k] for s in per]
+        if all(v is values[0] for v in values):
+            shared.append(values[0])
+        else:
+            shared.append(
+                jnp.concatenate([jnp.broadcast_to(v, (z,)) for v, z in zip(values, sizes)])
+            )
+    results = update(flat, tuple(shared))
+    members, start = [], 0
+    for shape, size in zip(shapes, sizes):
+        members.append([r[start : start + size].reshape(shape) for r in results])
+        start += size
+    return members
+
+
 def _adam(
     params,
     grads,
@@ -76,14 +160,16 @@ def _adam(
 ):
     skip = _skip(found_inf)
     lr, beta1, beta2, eps = _scalar(lr), _scalar(beta1), _scalar(beta2), _scalar(eps)
-    out_p, out_g, out_m, out_v, out_vmax = [], [], [], [], []
-    for i, (p, g, m, v, step) in enumerate(zip(params, grads, exp_avgs, exp_avg_sqs, state_steps)):
+
+    def bias_corrections(step):  # float64, as torch's kernels compute them in double
+        step = _scalar(step)
+        return lr / (1.0 - beta1**step), jnp.sqrt(1.0 - beta2**step)
+
+    def update(arrays, scalars):
+        p, g, m, v, vmax = arrays
+        step_size, bias2_sqrt = scalars
         compute = _compute_type(p.dtype)
         grad = _unscaled(g, grad_scale, compute)
-        step = _scalar(step)
-        bias1 = 1.0 - beta1**step
-        bias2_sqrt = jnp.sqrt(1.0 - beta2**step)
-        step_size = (lr / bias1).astype(compute)
         param = p.astype(compute)
         d = -grad if maximize else grad
         if weight_decay != 0:
@@ -95,18 +181,27 @@ def _adam(
         m_new = m.astype(compute) + (1 - b1) * (d - m.astype(compute))
         v_new = b2 * v.astype(compute) + (1 - b2) * d * d
         second = v_new
+        results = []
         if amsgrad:
-            vmax_new = jnp.maximum(max_exp_avg_sqs[i].astype(compute), v_new)
-            out_vmax.append(_keep(skip, max_exp_avg_sqs[i], vmax_new))
-            second = vmax_new
+            second = jnp.maximum(vmax.astype(compute), v_new)
+            results.append(_keep(skip, vmax, second))
         denom = jnp.sqrt(second) / bias2_sqrt.astype(compute) + eps.astype(compute)
-        param = param - step_size * m_new / denom
-        out_p.append(_keep(skip, p, param))
-        out_g.append(_keep(skip, g, grad) if grad_scale is not None else g)
-        out_m.append(_keep(skip, m, m_new))
-        out_v.append(_keep(skip, v, v_new))
-    if not amsgrad:
+        param = param - step_size.astype(compute) * m_new / denom
+        results += [_keep(skip, p, param), _keep(skip, m, m_new), _keep(skip, v, v_new)]
+        if grad_scale is not None:
+            results.append(_keep(skip, g, grad))
+        return results
+
+    lists = (params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs if amsgrad else [])
+    columns = _lists_update(update, lists, len(params), bias_corrections, state_steps)
+    if not columns:
+        return [], list(grads), [], [], list(max_exp_avg_sqs)
+    if amsgrad:
+        out_vmax, columns = columns[0], columns[1:]
+    else:
         out_vmax = list(max_exp_avg_sqs)
+    out_p, out_m, out_v = columns[:3]
+    out_g = columns[3] if grad_scale is not None else list(grads)
     return out_p, out_g, out_m, out_v, out_vmax
 
 
@@ -138,25 +233,36 @@ def fused_sgd(
 ):
     skip = _skip(found_inf)
     lr, dampening = _scalar(lr), _scalar(dampening)
-    out_p, out_g, out_b = [], [], []
-    for i, (p, g) in enumerate(zip(params, grads)):
+
+    def update(arrays, _scalars):
+        p, g, old = arrays
         compute = _compute_type(p.dtype)
         grad = _unscaled(g, grad_scale, compute)
         param = p.astype(compute)
         d = -grad if maximize else grad
         if weight_decay != 0:
             d = d + weight_decay * param
+        results = []
         if momentum != 0:
-            old = momentum_buffer_list[i]
             if is_first_step:
                 buf = d
             else:
                 buf = momentum * old.astype(compute) + (1 - dampening.astype(compute)) * d
-            out_b.append(_keep(skip, old, buf))
+            results.append(_keep(skip, old, buf))
             d = d + momentum * buf if nesterov else buf
         param = param - lr.astype(compute) * d
-        out_p.append(_keep(skip, p, param))
-        out_g.append(_keep(skip, g, grad) if grad_scale is not None else g)
-    if momentum == 0:
+        results.append(_keep(skip, p, param))
+        if grad_scale is not None:
+            results.append(_keep(skip, g, grad))
+        return results
+
+    buffers = momentum_buffer_list if momentum != 0 else []
+    columns = _lists_update(update, (params, grads, buffers), len(params))
+    if not columns:
+        return [], list(grads), list(momentum_buffer_list)
+    if momentum != 0:
+        out_b, columns = columns[0], columns[1:]
+    else:
         out_b = list(momentum_buffer_list)
-    return out_p, out_g, out_b
+    out_g = columns[1] if grad_scale is not None else list(grads)
+    return columns[0], out_g, out_b
