@@ -243,7 +243,8 @@ def test_flat_sgd_update_of_mixed_members_matches_eager_kernel(momentum, nestero
 def _compiled_fusions(n_small, flat):
     """XLA kernels of a packed-state step's fused AdamW over ``n_small`` members, as a step
     program has it (Note [Packed state]): each list's members are pieces of one pack, the results
-    go into one pack; ``flat=False`` updates member by member (the rule before the flat update)."""
+    go into one pack; ``flat=False`` updates member by member (the rule before the flat update,
+    and the rule outside a packed program)."""
     import jax
     import jax.numpy as jnp
 
@@ -259,7 +260,8 @@ def _compiled_fusions(n_small, flat):
         kw = dict(lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False,
                   maximize=False)  # fmt: skip
         if flat:
-            p, _, m, v, _ = optim.fused_adamw(lists[0], gs, *lists[1:], [], [step] * n, **kw)
+            with optim.packed_members(pack.DEFAULT_MAX_NUMEL):  # as program/build.py says
+                p, _, m, v, _ = optim.fused_adamw(lists[0], gs, *lists[1:], [], [step] * n, **kw)
         else:
             outs = [optim.fused_adamw([a], [g], [b], [c], [], [step], **kw)
                     for a, g, b, c in zip(*lists[:1], gs, *lists[1:])]  # fmt: skip
@@ -271,13 +273,23 @@ def _compiled_fusions(n_small, flat):
     return text[text.index("ENTRY") :].count(" fusion(")
 
 
-def test_small_members_of_a_pack_update_as_one_flat_array(monkeypatch):
+def test_small_members_of_a_pack_update_as_one_flat_array():
     """Under packed state, the kernels of a group's update do not grow with its small members:
-    member by member each took kernels of its own, distinct programs for XLA to compile. With
-    packing off the members are separate arrays, and each keeps its own update."""
+    member by member each took kernels of its own, distinct programs for XLA to compile."""
     few, many = _compiled_fusions(4, flat=True), _compiled_fusions(40, flat=True)
     assert many == few
-    by_member = _compiled_fusions(40, flat=False)
-    assert by_member > many + 40
-    monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", "0")
-    assert _compiled_fusions(40, flat=True) == by_member
+    assert _compiled_fusions(40, flat=False) > many + 40
+
+
+@pytest.mark.parametrize("pack_limit", ["", "0"])
+def test_a_packed_step_updates_its_small_parameters_flat(monkeypatch, pack_limit):
+    """The program stage tells the rule which programs read packs: a packed step updates a
+    group's small parameters as one flat array (one count per compile); with packing off (or in
+    torchacc.dynamo's programs) each keeps its own update. The results agree either way."""
+    monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", pack_limit)
+    torchacc.sync()
+    metrics.clear_all()
+    eager, device, recompiles = _train_pair(FUSED[0][1], steps=4)
+    assert _max_diff(eager, device) <= 1e-6
+    flat = _count("FlatOptimizerUpdate")
+    assert flat == (0 if pack_limit == "0" else _new_graphs())

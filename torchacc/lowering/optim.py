@@ -20,9 +20,12 @@ and betas are runtime scalars (schedules never recompile); ``tensor_lr`` overloa
 
 from __future__ import annotations
 
+import contextlib
+
 import jax.numpy as jnp
 import torch
 
+from torchacc import metrics
 from torchacc.lowering.registry import register
 
 aten = torch.ops.aten
@@ -67,17 +70,29 @@ def _unscaled(grad, grad_scale, compute):
 # their concatenation folds back into one slice of it, and the results into the output pack.
 # Larger members keep their own update (concatenating them would copy them), and so does every
 # member when packing is off: separate arrays concatenated and sliced apart again gave XLA:CPU
-# more kernels and copies, not fewer (measured on the narrow ResNet-50 step). Per-member scalars
+# more kernels and copies, not fewer (measured on the narrow ResNet-50 step); the program stage
+# says which programs read packs (``packed_members``). Each flat group counts
+# ``FlatOptimizerUpdate`` in torchacc.metrics when a program is lowered. Per-member scalars
 # (each member's bias corrections) are broadcast over its span, or stay one scalar where the
 # members share their step count (Note [One step count per group] in amp/syncfree/_base.py). Each
 # element sees the same operations as member by member; only the last bit may differ where XLA:CPU
 # vectorizes a long array differently.
 
 
-def _flat_limit():
-    from torchacc.program import pack  # the program stage imports this one
+_packed_limit = [0]  # set while the program stage traces a program whose state comes packed
 
-    return pack.max_numel()
+
+@contextlib.contextmanager
+def packed_members(limit):
+    """While tracing a program whose inputs come packed: members of at most ``limit`` elements
+    are pieces of a pack, and update as flat arrays (Note [Flat optimizer updates]). The program
+    stage sets it (program/build.py); elsewhere (torchacc.dynamo, unpacked steps) it is 0."""
+    old = _packed_limit[0]
+    _packed_limit[0] = limit
+    try:
+        yield
+    finally:
+        _packed_limit[0] = old
 
 
 def _lists_update(update, lists, n, scalars_of=None, keys=None):
@@ -85,7 +100,7 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
     empty list gives None members); the members a pack would hold, once per flat group of equal
     dtypes (Note [Flat optimizer updates]). ``scalars_of(key)`` gives a member's scalars from its
     ``keys[i]``, once per distinct key. Returns one output list per array ``update`` returns."""
-    cache, limit = {}, _flat_limit()
+    cache, limit = {}, _packed_limit[0]
 
     def scalars(i):
         if scalars_of is None:
@@ -111,6 +126,7 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
         if len(idx) == 1:
             out[idx[0]] = update([member(lst, idx[0]) for lst in lists], scalars(idx[0]))
             continue
+        metrics.counter_inc("FlatOptimizerUpdate")
         for i, results in zip(idx, _flat_update(update, lists, idx, scalars)):
             out[i] = results
     return [list(column) for column in zip(*out)] if n else []

@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 
 from torchacc.ir import ScalarSlot, TensorSlot
+from torchacc.lowering import optim
 from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
 from torchacc.program import pack
 
@@ -64,8 +65,14 @@ def program_of(graph):
         else:  # by pack, then offset
             out_groups[code >> pack.SHIFT].append(j)
     loose_outs.sort()
+    # Note [Flat optimizer updates] (lowering/optim.py): small state members are pieces of packs
+    packed_limit = pack.max_numel() if n_packs else 0
 
     def program(floats, ints, *arrays):
+        with optim.packed_members(packed_limit):
+            return replay(floats, ints, arrays)
+
+    def replay(floats, ints, arrays):
         env = [None] * nslots
         for slot, a in zip(loose_slots, arrays[n_packs:]):
             env[slot] = a
