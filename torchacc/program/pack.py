@@ -38,15 +38,15 @@ Large results stay separate: a library call (cuDNN convolution, cuBLAS matmul) r
 from their own buffers, and a slice of a large pack fed to one would be copied first.
 ``TORCHACC_PACK_MAX_NUMEL=0`` switches packing off.
 
-Compile time: XLA compiles each distinct kernel once, and identical ones (the same update of
-two same-shaped tensors) only once. A piece is read at its own offset, so kernels that touch
-pieces are all distinct: XLA:CPU spends ~8 ms on each (trivial programs: 640 slices of one
-array feeding 640 results compile in 5.4 s, 640 separate inputs in 0.7 s; an optimization barrier
-does not change it). Most such kernels were the optimizer's, a few per parameter, so fused
-optimizers update the pieces of a pack as one flat array (Note [Flat optimizer updates] in
-lowering/optim.py): the narrow ResNet-50 step's two programs compile in 12.9 s and 13.3 s packed
-(13.4-14.5 s unpacked; 18.4 s and 24.1 s packed before the flat update), 1,128 kernels instead of
-1,588. GPU compile time with packs is not measured yet.
+Compile time: XLA compiles identical kernels (the same update of two same-shaped tensors) once.
+A piece is read at its own offset, so kernels that touch pieces are all distinct: XLA:CPU spends
+~8 ms on each (trivial programs: 640 slices of one array feeding 640 results compile in 5.4 s,
+640 separate inputs in 0.7 s; an optimization barrier does not change it). Most such kernels were
+the optimizer's, a few per parameter, so fused optimizers update the pieces of a pack as one flat
+array (Note [Flat optimizer updates] in lowering/optim.py): the narrow ResNet-50 step's two
+programs compile in 12.9 s and 13.3 s packed (13.4-14.5 s unpacked; 18.4 s and 24.1 s packed
+before the flat update), 1,128 kernels instead of 1,588. GPU compile time with packs is not
+measured yet.
 """
 
 from __future__ import annotations
