@@ -111,12 +111,12 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
             got = cache[id(key)] = (key, scalars_of(key))
         return got[1]
 
-    def member(lst, i):
-        return lst[i] if lst else None
+    def members(i):
+        return [lst[i] if lst else None for lst in lists]
 
     groups, out = {}, [None] * n
     for i in range(n):
-        arrays = [member(lst, i) for lst in lists]
+        arrays = members(i)
         if limit and arrays[0].size <= limit:
             dtypes = tuple(None if a is None else a.dtype for a in arrays)
             groups.setdefault(dtypes, []).append(i)
@@ -124,7 +124,7 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
             out[i] = update(arrays, scalars(i))
     for idx in groups.values():
         if len(idx) == 1:
-            out[idx[0]] = update([member(lst, idx[0]) for lst in lists], scalars(idx[0]))
+            out[idx[0]] = update(members(idx[0]), scalars(idx[0]))
             continue
         metrics.counter_inc("FlatOptimizerUpdate")
         for i, results in zip(idx, _flat_update(update, lists, idx, scalars)):

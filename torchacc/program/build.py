@@ -10,8 +10,6 @@ from torchacc.lowering import optim
 from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
 from torchacc.program import pack
 
-_OFFSET = (1 << pack.SHIFT) - 1
-
 
 def _fill(t, env, scalars):
     tp = type(t)
@@ -52,7 +50,7 @@ def program_of(graph):
     # Note [Packed state] (pack.py): the array arguments are the packs, then the loose inputs
     n_packs = len(graph.packs)
     in_places = [
-        (i, code >> pack.SHIFT, code & _OFFSET, v.desc[0])
+        (i, code >> pack.SHIFT, code & pack.MASK, v.desc[0])
         for i, (code, v) in enumerate(zip(graph.in_codes, graph.inputs))
         if code != pack.LOOSE
     ]
@@ -64,7 +62,6 @@ def program_of(graph):
             loose_outs.append(j)
         else:  # by pack, then offset
             out_groups[code >> pack.SHIFT].append(j)
-    loose_outs.sort()
     # Note [Flat optimizer updates] (lowering/optim.py): small state members are pieces of packs
     packed_limit = pack.max_numel() if n_packs else 0
 

@@ -21,9 +21,9 @@ so that a sync of a known step only gathers its inputs and scalars: O(inputs), n
 - **Launching.** At ``mark_step`` a fully matched stream looks up its *variant* by the output
   codes (which storages are pending, from ``_live_outputs``), checks its inputs' descs, where
   they live (which pack and offset: Note [Packed state] in pack.py), which inputs no live tensor
-  holds (donation) and the float32 precision settings, and launches the
-  executable the full path compiled for exactly that key, with the runtime scalars of the nodes
-  the program holds. Any check failing takes the full path, which learns the new variant.
+  holds (donation) and the float32 precision settings, and launches the executable the full
+  path compiled for exactly that key, with the runtime scalars of the nodes the program holds.
+  Any check failing takes the full path, which learns the new variant.
 - **What is never known.** A step that read a pending value before ``mark_step`` (``.item()``,
   a collective run eagerly) or used a pending Value recorded in an earlier step takes the full
   path and is not learnt: its graph is not described by its stream alone.
@@ -31,8 +31,7 @@ so that a sync of a known step only gathers its inputs and scalars: O(inputs), n
 Equal stream + output codes + input descs + input layout + donatable inputs + precision imply the
 full path's key (Note [What a compiled step is keyed on]), so a known step runs the very program
 the full path would: tests compare results bit for bit with ``TORCHACC_KNOWN_STEPS=0``.
-``TORCHACC_DEBUG=1``
-prints where a step left its known stream.
+``TORCHACC_DEBUG=1`` prints where a step left its known stream.
 """
 
 from __future__ import annotations

@@ -74,13 +74,13 @@ def find_miss(key, cached):
     if out_slots != best[2]:
         return Miss("outputs", None, len(out_slots), len(best[2]), best)
     if key[4] != best[4]:
-        return Miss("layout", None, _first_layout_change(key[4], best[4], key[0]), None, best)
+        return Miss("layout", None, _first_layout_change(key[4], best[4]), None, best)
     if key[5:] != best[5:]:
         return Miss("precision", None, key[5:], best[5:], best)
     return Miss("donation", None, key[3], best[3], best)
 
 
-def _first_layout_change(layout, other, in_avals):
+def _first_layout_change(layout, other):
     """The first input whose place (loose or in a pack) differs, else None (the packs' sizes or
     the packed outputs differ)."""
     for i, (a, b) in enumerate(zip(layout[0], other[0])):

@@ -61,7 +61,7 @@ from torchacc.ir import graph as ir_graph
 
 LOOSE = -1  # an input or output that is not a piece of a pack
 SHIFT = 40  # a piece's code: (pack position << SHIFT) | offset
-_MASK = (1 << SHIFT) - 1
+MASK = (1 << SHIFT) - 1  # a piece's code & MASK: its offset
 DEFAULT_MAX_NUMEL = 1 << 14  # 16K elements: 64 KiB in float32
 
 
@@ -167,7 +167,7 @@ def lay_out_like_results(outputs, starts, plan, held):
         if code < 0 or start is None or not sizes[code >> SHIFT][2]:
             continue  # loose, or a result the step created
         if _movable(start, v):
-            members[code >> SHIFT].append((code & _MASK, start))
+            members[code >> SHIFT].append((code & MASK, start))
     for (size, dtype, _), group in zip(sizes, members):
         if not group or _in_place(group, size):
             continue
@@ -239,7 +239,7 @@ def bind(results, outputs, out_codes, out_packs):
             v.buf = results[j]
             j += 1
         else:
-            v.buf = (packs[code >> SHIFT], code & _MASK)
+            v.buf = (packs[code >> SHIFT], code & MASK)
         v.node = None
 
 
