@@ -72,6 +72,14 @@ def _train(device, optimizer, steps, keep_every=0, state=None):
     return cpu(losses), cpu(model.parameters()), cpu(model.buffers()), opt.state_dict(), model
 
 
+def _step(model, opt, s, device=DEV):
+    """One training step on batch ``s`` (no sync)."""
+    x, y = (t.to(device) for t in _batch(s))
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    opt.zero_grad()
+
+
 def _compare(got, want):
     """torchacc vs eager CPU: the step's float math differs by rounding (fused XLA kernels),
     ~1e-7 relative per step; a wrong piece (another tensor's data, an offset off by one)
@@ -158,10 +166,7 @@ def test_reading_pieces_keeps_the_program_and_the_values():
         if s == 3:
             metrics.clear_all()
         for m, o, d in ((model, opt, DEV), (ref, ref_opt, "cpu")):
-            x, y = (t.to(d) for t in _batch(s))
-            F.cross_entropy(m(x), y).backward()
-            o.step()
-            o.zero_grad()
+            _step(m, o, s, d)
         torchacc.sync()
         assert isinstance(model.head.bias._st.value.buf, tuple) or s == 0
         for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values()):
@@ -180,10 +185,7 @@ def test_a_frozen_piece_keeps_its_pack():
             model.head.bias.requires_grad_(False)
             frozen = model.head.bias.detach().cpu()
             opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
-        x, y = (t.to(DEV) for t in _batch(s))
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, s)
         torchacc.sync(wait=True)
     assert buffer_of(model.head.bias._st.value) is not None
     torch.testing.assert_close(model.head.bias.detach().cpu(), frozen, rtol=0, atol=0)
@@ -195,10 +197,7 @@ def test_large_results_stay_loose(monkeypatch):
     model = Net().to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in range(2):
-        x, y = (t.to(DEV) for t in _batch(s))
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, s)
         torchacc.sync()
     pieces = {n: isinstance(p._st.value.buf, tuple) for n, p in model.named_parameters()}
     assert pieces == {
@@ -259,10 +258,7 @@ def test_reading_many_pieces_copies_each_pack_once():
     model = Net().to(DEV)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for s in range(3):
-        x, y = (t.to(DEV) for t in _batch(s))
-        F.cross_entropy(model(x), y).backward()
-        opt.step()
-        opt.zero_grad()
+        _step(model, opt, s)
         torchacc.sync()
         values = [p._st.value for p in model.parameters()]
         packs = {id(v.buf[0]): v.buf[0] for v in values}
