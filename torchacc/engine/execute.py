@@ -20,7 +20,8 @@ from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
-from torchacc.program import known, pack
+from torchacc.program import known, pack, sharding
+from torchacc.runtime.processes import spans_processes as mesh_spans_processes
 
 _last_outputs: list = []
 _last_sync_end = [None]
@@ -91,8 +92,13 @@ def run(outputs, donate, held=None, learn=False, starts=None):
         if plan[1]:
             pack.lay_out_like_results(outputs, starts, plan, held)
     graph = compiler.Graph(outputs, held if donate else None, plan)
+    shardings = None
+    if sharding.active():  # Note [SPMD mode] in runtime/mesh.py
+        sharding.normalize(graph.loose)
+        arrays = graph.args()
+        shardings = (sharding.in_shardings(arrays), sharding.out_shardings(outputs, starts))
     args = _args(graph.floats, graph.ints, graph.args())
-    exe = compiler.compiled_for(graph, args)
+    exe = compiler.compiled_for(graph, args, shardings)
     if learn:
         known.learn(graph, exe, held, precision.key())
     _launch(exe, args, outputs, graph, len(graph.order))
@@ -101,6 +107,8 @@ def run(outputs, donate, held=None, learn=False, starts=None):
 def _args(floats, ints, arrays):
     floats = np.asarray(floats, dtype=np.float64)
     ints = np.asarray(ints, dtype=np.int64)
+    if sharding.active() and mesh_spans_processes():  # global arrays, not host data
+        floats, ints = put(floats), put(ints)
     return [floats, ints, *arrays]
 
 

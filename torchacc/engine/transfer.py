@@ -11,10 +11,13 @@ import torch
 
 from torchacc import metrics
 from torchacc.ir import Value, contiguous_desc
+from torchacc.runtime import mesh
 from torchacc.runtime.device import jax_device
 
 
 def put(host_array):
+    if mesh.is_spmd():  # replicated over the engine mesh (Note [SPMD mode])
+        return mesh.put(np.asarray(host_array))
     return jax.device_put(host_array, jax_device())
 
 
@@ -40,7 +43,7 @@ def upload(host):
 def read(array, dtype):
     """A CPU tensor of ``dtype`` with the data of device ``array`` (waits for it)."""
     start = time.perf_counter()
-    host = np.array(array)
+    host = mesh.gather(array) if mesh.is_spmd() else np.array(array)
     metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferFromDevice")
     if host.dtype == ml_dtypes.bfloat16:

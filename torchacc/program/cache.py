@@ -45,9 +45,12 @@ def enable_persistent_cache(path=None):
 jax.monitoring.register_event_listener(_on_event)
 
 
-def compiled_for(graph, args):
-    """The executable for ``graph`` (compiling it on a cache miss)."""
+def compiled_for(graph, args, shardings=None):
+    """The executable for ``graph`` (compiling it on a cache miss); ``shardings``: the
+    program's (argument, result) shardings in SPMD mode (program/sharding.py), else None."""
     key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
+    if shardings is not None:
+        key += shardings
     exe = _cache.get(key)
     if exe is not None:
         count_memory_hit()
@@ -58,7 +61,13 @@ def compiled_for(graph, args):
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
     with precision.scope():
-        if spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
+        if shardings is not None:  # Note [SPMD mode] in runtime/mesh.py
+            ins, outs = shardings
+            fn = jax.jit(
+                program_of(graph), donate_argnums=donate, in_shardings=ins, out_shardings=list(outs)
+            )
+            exe = fn.lower(*args).compile()
+        elif spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
             exe = spmd.compile_spmd(program_of(graph), args, donate)
         else:
             fn = jax.jit(program_of(graph), donate_argnums=donate)

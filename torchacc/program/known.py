@@ -40,7 +40,7 @@ import os
 import sys
 
 from torchacc.ir import graph as ir_graph
-from torchacc.program import pack
+from torchacc.program import pack, sharding
 from torchacc.program.key import args_of, donatable_flags
 
 _STEP = 1 << 40  # base spacing: positions and data numbers of one step stay below the next base
@@ -267,7 +267,8 @@ def _compiled_for(variant, inputs, held, precision_key):
     codes, packs, loose = pack.input_layout(inputs)
     sizes = tuple([p.size for p in packs])
     flags = donatable_flags(packs, loose, held)
-    return variant.launches.get((codes, sizes, flags, precision_key)), packs, loose
+    key = (codes, sizes, flags, precision_key, *sharding.launch_key(loose))
+    return variant.launches.get(key), packs, loose
 
 
 def learn(graph, exe, held, precision_key):
@@ -313,7 +314,8 @@ def learn(graph, exe, held, precision_key):
     compiled = (exe, graph.donate, graph.out_codes, graph.out_packs)
     variant.plan = (graph.out_codes, graph.out_packs, pack.max_numel())
     sizes = tuple([p.size for p in graph.packs])
-    variant.launches[(graph.in_codes, sizes, flags, precision_key)] = compiled
+    spmd = sharding.launch_key(graph.loose)  # Note [SPMD mode] in runtime/mesh.py
+    variant.launches[(graph.in_codes, sizes, flags, precision_key, *spmd)] = compiled
 
 
 def next_step():

@@ -58,6 +58,7 @@ import jax
 import numpy as np
 
 from torchacc.ir import graph as ir_graph
+from torchacc.runtime import mesh
 
 LOOSE = -1  # an input or output that is not a piece of a pack
 SHIFT = 40  # a piece's code: (pack position << SHIFT) | offset
@@ -81,7 +82,10 @@ class Pack:
 
 
 def max_numel():
-    """Results of at most this many elements are packed (0: none)."""
+    """Results of at most this many elements are packed (0: none; always 0 in SPMD mode, Note
+    [SPMD mode] in runtime/mesh.py)."""
+    if mesh.is_spmd():
+        return 0
     text = os.environ.get("TORCHACC_PACK_MAX_NUMEL", "").strip()
     if not text:
         return DEFAULT_MAX_NUMEL

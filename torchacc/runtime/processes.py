@@ -78,6 +78,17 @@ def maybe_initialize():
     return True
 
 
+all_local_devices = [False]  # set by runtime.mesh.enable() (SPMD mode)
+
+
+def wants_all_local_devices():
+    """SPMD mode (``xr.use_spmd()`` or ``XLA_USE_SPMD=1``): this process joins the job with all
+    its local devices, not just the one of its local rank."""
+    if all_local_devices[0]:
+        return True
+    return os.environ.get("XLA_USE_SPMD", "0").strip().lower() in ("1", "true", "on", "yes")
+
+
 def _jax_distributed_client():
     from jax._src import distributed
 
@@ -151,7 +162,8 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                 coordinator_address=address,
                 num_processes=world,
                 process_id=rank,
-                local_device_ids=[local_rank],
+                # SPMD mode: every local device joins the global mesh (Note [SPMD mode])
+                local_device_ids=None if wants_all_local_devices() else [local_rank],
                 coordinator_bind_address=os.environ.get("TORCHACC_COORDINATOR_BIND_ADDRESS")
                 or address,
                 initialization_timeout=_env_int("TORCHACC_INIT_TIMEOUT", 300),
@@ -193,6 +205,11 @@ def _ensure():
             with _lock:
                 if not _state.initialized:
                     _set_state(0, 1, 0)
+
+
+def spans_processes():
+    """Whether this process is one of several in a job."""
+    return _state.initialized and _state.world > 1
 
 
 def is_initialized():
