@@ -50,11 +50,19 @@ def local_device_count():
     return len(runtime_mesh.local_devices())
 
 
+def ordinal(device):
+    """A device's global ordinal: its position among every device of the job, by id."""
+    return runtime_mesh.devices().index(device)
+
+
 def jax_mesh(device_ids, mesh_shape, axis_names):
     """The ``jax.sharding.Mesh`` of global device ordinals ``device_ids`` laid out as
     ``mesh_shape`` (cached: equal meshes are one object)."""
-    key = (tuple(int(i) for i in np.asarray(device_ids).reshape(-1)), tuple(mesh_shape),
-           tuple(axis_names))
+    key = (
+        tuple(int(i) for i in np.asarray(device_ids).reshape(-1)),
+        tuple(mesh_shape),
+        tuple(axis_names),
+    )
     m = _meshes.get(key)
     if m is None:
         devices = runtime_mesh.devices()
@@ -187,7 +195,7 @@ def hlo_text(sharding, ndim):
     hlo = sharding._to_xla_hlo_sharding(ndim)
     if hlo.is_replicated():
         return "{replicated}"
-    ids = [d.id for d in sharding.mesh.devices.flat]
+    ids = [ordinal(d) for d in sharding.mesh.devices.flat]
     dims = ",".join(str(d) for d in hlo.tile_assignment_dimensions())
     devices = ",".join(str(ids[i]) for i in hlo.tile_assignment_devices())
     tail = " last_tile_dim_replicate" if hlo.replicate_on_last_tile_dim() else ""
@@ -195,7 +203,7 @@ def hlo_text(sharding, ndim):
 
 
 def local_shards(t):
-    """This process's shards of ``t``: ``(cpu tensor, index, replica_id, device id)`` each, the
+    """This process's shards of ``t``: ``(cpu tensor, index, replica_id, ordinal)`` each, the
     index a tuple of slices into the global tensor (computes ``t`` first if it is pending)."""
     import torchacc
     from torchacc.engine.transfer import read
@@ -213,12 +221,12 @@ def local_shards(t):
             slice(*sl.indices(n)[:2]) if isinstance(sl, slice) else sl
             for sl, n in zip(s.index, shape)
         )
-        out.append((read(s.data, t.dtype), index, s.replica_id, s.device.id))
+        out.append((read(s.data, t.dtype), index, s.replica_id, ordinal(s.device)))
     return out
 
 
 def per_device_bytes(tensors):
-    """Bytes each device holds of ``tensors`` (computed torchacc tensors): {device id: bytes}."""
+    """Bytes each device holds of ``tensors`` (computed torchacc tensors): {ordinal: bytes}."""
     from torchacc.lazy.record import value_of
 
     total: dict = {}
@@ -232,5 +240,6 @@ def per_device_bytes(tensors):
             continue
         seen.add(id(array))
         for s in array.addressable_shards:
-            total[s.device.id] = total.get(s.device.id, 0) + s.data.nbytes
+            k = ordinal(s.device)
+            total[k] = total.get(k, 0) + s.data.nbytes
     return total

@@ -40,7 +40,7 @@ def normalize(loose):
                     f"torchacc SPMD: a tensor of shape {tuple(a.shape)} is sharded as {spec} over "
                     f"mesh {dict(s.mesh.shape)} (devices {[d.id for d in s.mesh.devices.flat]}), "
                     f"but the step runs on mesh {dict(engine.shape)} (devices "
-                    f"{[d.id for d in engine.devices.flat]}); use one mesh for the tensors of a step"
+                    f"{[d.id for d in engine.devices.flat]}); use one mesh for a step's tensors"
                 )
             v.buf = jax.device_put(a, jax.sharding.NamedSharding(engine, spec))
         else:

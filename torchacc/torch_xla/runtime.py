@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torchacc
+from torchacc.distributed import sharding as _sharding
 from torchacc.torch_xla._api import differs
 from torchacc.torch_xla.core import xla_model as _xm
 
@@ -33,7 +34,8 @@ def local_process_count():
 
 
 def local_device_count():
-    return 1
+    """Devices of this process (SPMD mode: its local devices; else its one device)."""
+    return _sharding.local_device_count() if _sharding.is_spmd() else 1
 
 
 def addressable_device_count():
@@ -41,11 +43,12 @@ def addressable_device_count():
 
 
 def global_device_count():
-    return world_size()
+    return global_runtime_device_count()
 
 
 def global_runtime_device_count():
-    return world_size()
+    """Devices of the job: every process's local devices in SPMD mode, else one per process."""
+    return _sharding.device_count() if _sharding.is_spmd() else world_size()
 
 
 def device_type():
@@ -63,7 +66,8 @@ def initialize_cache(path, readonly=False):
 
 
 def addressable_runtime_device_count():
-    return 1
+    """Devices this process drives (SPMD mode: its local devices)."""
+    return _sharding.local_device_count() if _sharding.is_spmd() else 1
 
 
 def host_index():
@@ -79,7 +83,19 @@ def runtime_device_attributes(device=None):
 
 
 def global_runtime_device_attributes():
-    return [runtime_device_attributes()] * global_runtime_device_count()
+    if not _sharding.is_spmd():
+        return [runtime_device_attributes()] * global_runtime_device_count()
+    from torchacc.runtime import mesh
+
+    return [
+        {
+            "name": str(d),
+            "device_kind": d.device_kind,
+            "platform": d.platform,
+            "process_index": d.process_index,
+        }
+        for d in mesh.devices()
+    ]
 
 
 def is_bf16_supported():
@@ -125,12 +141,17 @@ def set_device_type(pjrt_device):
 
 
 def is_spmd():
-    return False
+    """Whether SPMD mode is on (``use_spmd()`` or ``XLA_USE_SPMD=1``)."""
+    return _sharding.is_spmd()
 
 
-@differs("raises NotImplementedError: no SPMD partitioner (one device per process)")
 def use_spmd(auto=False):
-    raise NotImplementedError(
-        "torchacc does not implement torch_xla SPMD (use_spmd); use one "
-        "process per device with torchrun"
-    )
+    """SPMD mode: the torchacc device becomes one virtual device over every device of the job,
+    and ``torch_xla.distributed.spmd`` shards tensors over them (Note [SPMD mode] in
+    torchacc/runtime/mesh.py). Call it before the first tensor is moved to the device."""
+    if auto:
+        raise NotImplementedError(
+            "xr.use_spmd(auto=True): XLA's auto-sharding is not exposed through JAX on CPU/GPU; "
+            "annotate with xs.mark_sharding"
+        )
+    _sharding.use_spmd()

@@ -1,6 +1,6 @@
-"""``torch_xla.distributed.spmd`` (``xs``) on torchacc: meshes and replicated annotations work;
-anything that would split a tensor over devices raises ``NotImplementedError`` naming the call.
-See :mod:`torchacc.torch_xla.distributed.spmd.xla_sharding`."""
+"""``torch_xla.distributed.spmd`` (``xs``) on torchacc: meshes, sharding annotations and sharded
+tensors through XLA's SPMD partitioner. See
+:mod:`torchacc.torch_xla.distributed.spmd.xla_sharding`."""
 
 from torchacc.torch_xla.distributed.spmd.xla_sharding import (
     HybridMesh,
@@ -24,6 +24,8 @@ from torchacc.torch_xla.distributed.spmd.xla_sharding import (
     set_global_mesh,
     shard_as,
     sharding_of,
+    unwrap_sharded_tensor,
+    wrap_as_sharded_tensor,
     wrap_if_sharded,
     xla_distribute_module,
     xla_distribute_tensor,
@@ -52,6 +54,8 @@ __all__ = [
     "set_global_mesh",
     "shard_as",
     "sharding_of",
+    "unwrap_sharded_tensor",
+    "wrap_as_sharded_tensor",
     "wrap_if_sharded",
     "xla_distribute_module",
     "xla_distribute_tensor",

@@ -1,16 +1,10 @@
-"""``torch_xla.distributed.spmd`` on torchacc: meshes and sharding annotations, honestly.
+"""``torch_xla.distributed.spmd`` (``xs``) on torchacc: meshes and sharding annotations.
 
-torchacc runs one device per process (scale out with torchrun); it has no SPMD partitioner. So:
-
-- a :class:`Mesh` over the job's devices (``xr.global_runtime_device_count()``: one per process)
-  works, as do ``set_global_mesh``/``get_global_mesh``/``get_1d_mesh``;
-- an annotation that replicates -- every tensor dimension ``None`` or mapped only to mesh axes of
-  size 1 -- is accepted and remembered (``clear_sharding`` forgets it): it is what torchacc does
-  anyway;
-- an annotation that would split a tensor over several devices raises ``NotImplementedError``
-  naming the call, the tensor's shape, the spec and the axis. Nothing pretends to shard.
-
-``mark_sharding`` returns the tensor itself (torch_xla wraps it in an ``XLAShardedTensor``).
+A thin translation into torchacc's sharding engine (``torchacc.distributed.sharding``; Note [SPMD
+mode] in torchacc/runtime/mesh.py): a :class:`Mesh` names global device ordinals, a partition
+spec becomes a JAX ``NamedSharding``, and XLA's SPMD partitioner splits each step. Call
+``torch_xla.runtime.use_spmd()`` first. On a CPU machine ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``
+gives four devices.
 """
 
 from __future__ import annotations
@@ -22,46 +16,48 @@ import enum
 import numpy as np
 import torch
 
-from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
+from torchacc.distributed import sharding as engine
+from torchacc.torch_xla._api import differs, not_implemented
 
-_NO_SPMD = (
-    "torchacc has no SPMD partitioner (one device per process); run one process per device "
-    "with torchrun and data parallelism (xm.all_reduce / the 'xla' process group) instead"
+_MANUAL = (
+    "manual sharding (shard_map-style regions inside a recorded step) is not supported; "
+    "annotate with mark_sharding and let XLA's partitioner place the collectives"
 )
 
 
 def _device_count():
+    return engine.device_count() if engine.is_spmd() else _one_per_process()
+
+
+def _one_per_process():
     from torchacc.torch_xla import runtime as xr
 
-    return xr.global_runtime_device_count()
+    return xr.world_size()
 
 
 class Mesh:
-    """A logical mesh of the job's devices: ``device_ids`` reshaped to ``mesh_shape``.
-
-    As in torch_xla the mesh must hold every device of the job exactly once; in torchacc that is
-    one device per process, so in a single process the only mesh is of one device (any shape of
-    ones, e.g. ``(1, 1)`` with axis names ``("fsdp", "tensor")``).
-    """
+    """A logical mesh of the job's devices: global ordinals ``device_ids`` reshaped to
+    ``mesh_shape`` (C order), with optional ``axis_names``. It must hold every device once."""
 
     def __init__(self, device_ids, mesh_shape, axis_names=None):
         device_ids = np.asarray(device_ids).reshape(-1)
         mesh_shape = tuple(int(d) for d in mesh_shape)
         count = _device_count()
-        if len(device_ids) != count:
-            raise ValueError(
-                f"Mesh: {len(device_ids)} device ids given, but the job has {count} device(s) "
-                "(torchacc: one per process)"
-            )
         if int(np.prod(mesh_shape)) != len(device_ids):
             raise ValueError(
                 f"Mesh: mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices, "
                 f"not the {len(device_ids)} device ids given"
             )
-        if len(np.unique(device_ids)) != len(device_ids) or any(
-            not 0 <= int(d) < len(device_ids) for d in device_ids
-        ):
-            raise ValueError(f"Mesh: device ids must be 0..{len(device_ids) - 1}, got {device_ids}")
+        if len(device_ids) != count:
+            raise ValueError(
+                f"Mesh: {len(device_ids)} device ids {device_ids.tolist()} for mesh_shape "
+                f"{mesh_shape}, but the job has {count} device(s)"
+                + ("" if engine.is_spmd() else " (one per process: SPMD mode is off)")
+            )
+        if len(np.unique(device_ids)) != len(device_ids):
+            raise ValueError(f"Mesh: repeated device ids in {device_ids.tolist()}")
+        if any(not 0 <= int(d) < count for d in device_ids):
+            raise ValueError(f"Mesh: device ids must be 0..{count - 1}, got {device_ids.tolist()}")
         if axis_names is not None:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(mesh_shape):
@@ -90,19 +86,41 @@ class Mesh:
             return None
         return self.axis_names.index(name)
 
+    def _names(self):
+        return self.axis_names or tuple(f"axis{i}" for i in range(len(self.mesh_shape)))
+
     def get_jax_mesh(self):
         """The same mesh as a ``jax.sharding.Mesh`` over the job's JAX devices."""
-        import jax
+        return engine.jax_mesh(self.device_ids, self.mesh_shape, self._names())
 
-        import torchacc
+    def named_sharding(self, partition_spec, shape, call="mark_sharding"):
+        """The JAX ``NamedSharding`` of a tensor of ``shape`` split by ``partition_spec``."""
+        spec = tuple(partition_spec)
+        names = self._names()
 
-        devices = jax.devices(torchacc.platform())
-        names = self.axis_names or tuple(str(i) for i in range(len(self.mesh_shape)))
-        grid = np.array([devices[int(i)] for i in self.device_ids], dtype=object)
-        return jax.sharding.Mesh(grid.reshape(self.mesh_shape), names)
+        def name_of(axis):
+            if isinstance(axis, int) and not isinstance(axis, bool) and 0 <= axis < len(names):
+                return names[axis]
+            return axis
+
+        spec = tuple(
+            None
+            if e is None
+            else tuple(name_of(a) for a in e)
+            if isinstance(e, tuple)
+            else name_of(e)
+            for e in spec
+        )
+        try:
+            return engine.named_sharding(self.get_jax_mesh(), spec, shape, call)
+        except ValueError as e:
+            raise ValueError(f"{e} (xs.Mesh {self})") from None
 
     def get_op_sharding(self, partition_spec):
-        raise NotImplementedError(f"Mesh.get_op_sharding: XLA OpSharding objects: {_NO_SPMD}")
+        raise NotImplementedError(
+            "Mesh.get_op_sharding: XLA OpSharding objects belong to torch_xla's C++ runtime; "
+            "torchacc describes shardings as JAX NamedShardings (Mesh.named_sharding)"
+        )
 
     def __str__(self):
         return (
@@ -122,6 +140,46 @@ class Mesh:
             return cls(d["device_ids"], d["mesh_shape"], d["axis_names"])
         except (ValueError, SyntaxError, KeyError, TypeError):
             return None
+
+
+class HybridMesh(Mesh):
+    """A mesh of ``ici_mesh_shape`` (the devices of one process, fast links) times
+    ``dcn_mesh_shape`` (the processes, slower links): mesh axis ``i`` has
+    ``ici_mesh_shape[i] * dcn_mesh_shape[i]`` devices, a block per process as in torch_xla's
+    multislice meshes. On GPU and CPU a "slice" is a process."""
+
+    def __init__(self, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None):
+        from torchacc.runtime import mesh as runtime_mesh
+
+        ici = tuple(int(x) for x in ici_mesh_shape)
+        dcn = tuple(int(x) for x in (dcn_mesh_shape or (1,) * len(ici)))
+        if len(ici) != len(dcn):
+            raise ValueError(f"HybridMesh: ici_mesh_shape {ici} and dcn_mesh_shape {dcn} differ")
+        devices = runtime_mesh.devices()
+        by_process = collections.defaultdict(list)
+        for i, d in enumerate(devices):
+            by_process[d.process_index].append(i)
+        granules = [by_process[p] for p in sorted(by_process)]
+        if int(np.prod(dcn)) != len(granules):
+            raise ValueError(
+                f"HybridMesh: dcn_mesh_shape {dcn} holds {int(np.prod(dcn))} processes, the "
+                f"job has {len(granules)}"
+            )
+        if any(int(np.prod(ici)) != len(g) for g in granules):
+            raise ValueError(
+                f"HybridMesh: ici_mesh_shape {ici} holds {int(np.prod(ici))} devices, a process "
+                f"has {[len(g) for g in granules]}"
+            )
+        self.ici_mesh_shape, self.dcn_mesh_shape = ici, dcn
+        shape = tuple(a * b for a, b in zip(ici, dcn))
+        grid = np.empty(shape, dtype=np.int64)
+        per = [np.asarray(g).reshape(ici) for g in granules]
+        which = np.arange(len(granules)).reshape(dcn)
+        for index in np.ndindex(*shape):
+            outer = tuple(i // n for i, n in zip(index, ici))
+            inner = tuple(i % n for i, n in zip(index, ici))
+            grid[index] = per[which[outer]][inner]
+        super().__init__(grid.reshape(-1), shape, axis_names)
 
 
 _global_mesh = [None]
@@ -157,98 +215,137 @@ class ShardingType(enum.IntEnum):
     UNKNOWN = 6
 
 
-def _axis_index(mesh, axis, call, partition_spec):
-    if isinstance(axis, bool) or not isinstance(axis, (int, str)):
-        raise ValueError(
-            f"{call}: partition spec entry {axis!r} in {partition_spec}: expected None, a mesh "
-            "axis index or name, or a tuple of them"
+class XLAShard:
+    """One device's shard: ``data`` (a CPU copy), ``indices`` (slices into the global tensor, or
+    ``Ellipsis`` for a replicated tensor), ``replica_id`` and the device's ordinal."""
+
+    def __init__(self, data, indices, replica_id, ordinal):
+        self.data = data
+        self.indices = indices
+        self.replica_id = replica_id
+        self.ordinal = ordinal
+
+    @property
+    def unpadded_data(self):
+        return self.data
+
+    def __repr__(self):
+        return f"XLAShard(device={self.ordinal}, indices={self.indices}, replica={self.replica_id})"
+
+
+class XLAShardedTensor(torch.Tensor):
+    """What ``mark_sharding`` returns: the annotated tensor (``global_tensor``) and its shards.
+    Used as a tensor it is its global tensor."""
+
+    @staticmethod
+    def __new__(cls, global_tensor, *args, **kwargs):
+        r = torch.Tensor._make_wrapper_subclass(
+            cls,
+            global_tensor.size(),
+            strides=global_tensor.stride(),
+            dtype=global_tensor.dtype,
+            device=global_tensor.device,
+            requires_grad=global_tensor.requires_grad,
         )
-    if isinstance(axis, str):
-        index = mesh.get_axis_name_idx(axis)
-        if index is None:
-            raise ValueError(f"{call}: axis name {axis!r} is not defined in the mesh {mesh}")
-        return index
-    if not 0 <= axis < len(mesh.mesh_shape):
-        raise ValueError(f"{call}: mesh axis {axis} out of range for mesh {mesh}")
-    return axis
+        r.global_tensor = global_tensor
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        import torch.utils._pytree as pytree
+
+        unwrap = lambda x: x.global_tensor if isinstance(x, XLAShardedTensor) else x
+        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+
+    @property
+    def sharding_spec(self):
+        return engine.hlo_text(engine.sharding_of(self.global_tensor), self.global_tensor.dim())
+
+    @property
+    def sharding_type(self):
+        spec = self.sharding_spec
+        if spec in ("", "{replicated}"):
+            return ShardingType.REPLICATED
+        return ShardingType.PARTIAL if "last_tile_dim_replicate" in spec else ShardingType.TILED
+
+    @property
+    def local_shards(self):
+        shards = []
+        replicated = self.sharding_type == ShardingType.REPLICATED
+        for data, index, replica, ordinal in engine.local_shards(self.global_tensor):
+            shards.append(XLAShard(data, Ellipsis if replicated else index, replica, ordinal))
+        return shards
+
+    def __repr__(self):
+        return f"XLAShardedTensor({self.global_tensor!r}, sharding={self.sharding_spec})"
 
 
-def _check_replicated(call, t, mesh, partition_spec):
-    """Validate ``partition_spec`` for ``t`` on ``mesh``; raise NotImplementedError if it would
-    split ``t`` over more than one device."""
+def wrap_as_sharded_tensor(t):
+    return t if isinstance(t, XLAShardedTensor) else XLAShardedTensor(t)
+
+
+def unwrap_sharded_tensor(t):
+    return t.global_tensor if isinstance(t, XLAShardedTensor) else t
+
+
+def _mesh_or_global(mesh, call):
+    mesh = get_global_mesh() if mesh is None else mesh
     if not isinstance(mesh, Mesh):
-        raise TypeError(f"{call}: expected a Mesh, got {type(mesh).__name__}")
-    partition_spec = tuple(partition_spec)
-    if len(partition_spec) != len(t.shape):
-        raise ValueError(
-            f"{call}: partition spec {partition_spec} has {len(partition_spec)} entries for a "
-            f"tensor of rank {len(t.shape)} (shape {tuple(t.shape)})"
-        )
-    for dim, entry in enumerate(partition_spec):
-        if entry is None:
-            continue
-        for axis in entry if isinstance(entry, tuple) else (entry,):
-            index = _axis_index(mesh, axis, call, partition_spec)
-            if mesh.mesh_shape[index] > 1:
-                raise NotImplementedError(
-                    f"{call}: tensor of shape {tuple(t.shape)} with partition spec "
-                    f"{partition_spec} would be split along dim {dim} over mesh axis {axis!r} "
-                    f"of size {mesh.mesh_shape[index]}: {_NO_SPMD}. Replicated annotations "
-                    "(None, or mesh axes of size 1) are accepted"
-                )
-    return partition_spec
+        raise ValueError(f"{call}: expected an xs.Mesh (or a global mesh), got {mesh!r}")
+    return mesh
 
 
-_ANNOTATION = "_torchacc_sharding"  # (mesh, partition_spec) kept on the annotated tensor
-
-
-def _annotate(call, t, mesh, partition_spec):
-    spec = _check_replicated(call, t, mesh, partition_spec)
-    setattr(t, _ANNOTATION, (mesh, spec))
-    return t
-
-
-@differs("replicated annotations only (sharding raises NotImplementedError); returns the tensor")
 def mark_sharding(t, mesh, partition_spec):
-    """Annotate ``t`` with ``partition_spec`` over ``mesh`` (replicated only; see module doc)."""
-    return _annotate("xs.mark_sharding", t, mesh, partition_spec)
+    """Shard ``t`` by ``partition_spec`` over ``mesh``: the layout of a parameter or input, or a
+    sharding constraint on an activation (XLA propagates the rest). Returns an
+    ``XLAShardedTensor``."""
+    t = unwrap_sharded_tensor(t)
+    mesh = _mesh_or_global(mesh, "xs.mark_sharding")
+    sharding = mesh.named_sharding(partition_spec, tuple(t.shape), "xs.mark_sharding")
+    engine.mark(t, sharding, "xs.mark_sharding")
+    return XLAShardedTensor(t)
 
 
-@differs("replicated annotations only (sharding raises NotImplementedError); returns the tensor")
+@differs("the gradient is not constrained (XLA's propagation places it)")
 def mark_sharding_with_gradients(t, mesh, partition_spec):
-    return _annotate("xs.mark_sharding_with_gradients", t, mesh, partition_spec)
+    return mark_sharding(t, mesh, partition_spec)
 
 
-@differs("replicated annotations only (sharding raises NotImplementedError); returns the tensor")
 def annotate_custom_sharding(t, mesh, partition_spec):
-    return _annotate("xs.annotate_custom_sharding", t, mesh, partition_spec)
+    return mark_sharding(t, mesh, partition_spec)
 
 
 def clear_sharding(t):
-    """Forget ``t``'s annotation; returns ``t``."""
-    if hasattr(t, _ANNOTATION):
-        delattr(t, _ANNOTATION)
+    """Drop ``t``'s sharding (its data is replicated again); returns the plain tensor."""
+    t = unwrap_sharded_tensor(t)
+    if engine.is_spmd():
+        engine.clear(t)
     return t
 
 
 def sharding_of(t):
-    """``(mesh, partition_spec)`` that ``t`` was annotated with, or None (torchacc helper)."""
-    return getattr(t, _ANNOTATION, None)
+    """The JAX ``NamedSharding`` of ``t``'s data, or None (torchacc helper)."""
+    return engine.sharding_of(unwrap_sharded_tensor(t))
 
 
 def wrap_if_sharded(x):
-    """torch_xla wraps sharded tensors in ``XLAShardedTensor``; none is sharded here."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, XLAShardedTensor):
+        s = engine.sharding_of(x)
+        if s is not None and engine.hlo_text(s, x.dim()) not in ("", "{replicated}"):
+            return XLAShardedTensor(x)
     return x
 
 
 def shard_as(a, b):
-    """Both trees are replicated (torchacc shards nothing), so they are sharded alike as is."""
-    return a, b
+    raise NotImplementedError(
+        "xs.shard_as: XLA's shard-as groups are not exposed through JAX; mark both with "
+        "mark_sharding"
+    )
 
 
 @dataclasses.dataclass
 class ShardingSpec:
-    """A mesh and a partition spec to apply to tensors (e.g. loader inputs); replicated only."""
+    """A mesh and a partition spec to apply to tensors (e.g. a loader's inputs)."""
 
     mesh: Mesh
     partition_spec: tuple
@@ -263,8 +360,7 @@ class ShardingSpec:
     def xla_spec(self, t):
         if not self.can_apply(t):
             return None
-        _check_replicated("ShardingSpec.xla_spec", t, self.mesh, self.partition_spec)
-        return None  # replicated: no sharding to send with the data
+        return self.mesh.named_sharding(self.partition_spec, tuple(t.shape), "ShardingSpec")
 
 
 def xla_patched_nn_linear_forward(m, input):
@@ -280,20 +376,36 @@ class XLAPatchedLinear:
         return torch.nn.functional.linear(input, weight, bias)
 
 
-HybridMesh = not_implemented_class(
-    "xs.HybridMesh", f"TPU ICI/DCN meshes over several hosts' devices: {_NO_SPMD}", bases=(Mesh,)
-)
-XLAShardedTensor = not_implemented_class(
-    "xs.XLAShardedTensor", f"tensors split over devices: {_NO_SPMD}"
-)
-XLAShard = not_implemented_class("xs.XLAShard", f"shards of split tensors: {_NO_SPMD}")
-enable_manual_sharding = not_implemented("xs.enable_manual_sharding", _NO_SPMD)
-disable_manual_sharding = not_implemented("xs.disable_manual_sharding", _NO_SPMD)
-_mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _NO_SPMD)
+def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, output_fn=None):
+    """Move ``module`` to the device; ``partition_fn(name, module, mesh)`` shards its
+    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks."""
+    import torchacc
+
+    mesh = _mesh_or_global(mesh, "xs.xla_distribute_module")
+    module = module.to(torchacc.device())
+    if partition_fn is not None:
+        for name, sub in module.named_modules():
+            partition_fn(name, sub, mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, out: output_fn(mod, out, mesh))
+    return module
+
+
+def xla_distribute_tensor(tensor, device_mesh, placements=None):
+    raise NotImplementedError(
+        "xs.xla_distribute_tensor: DTensor placements are not translated; use mark_sharding"
+    )
+
+
+_mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
+enable_manual_sharding = not_implemented("xs.enable_manual_sharding", _MANUAL)
+disable_manual_sharding = not_implemented("xs.disable_manual_sharding", _MANUAL)
 apply_backward_optimization_barrier = not_implemented(
     "xs.apply_backward_optimization_barrier",
     "needs optimization barriers in the recorded backward, which torchacc does not record",
 )
-xla_distribute_tensor = not_implemented("xs.xla_distribute_tensor", _NO_SPMD)
-xla_distribute_module = not_implemented("xs.xla_distribute_module", _NO_SPMD)
-auto_policy = not_implemented("xs.auto_policy", _NO_SPMD)
+auto_policy = not_implemented(
+    "xs.auto_policy", "XLA's auto-sharding pass is not exposed through JAX on CPU/GPU"
+)

@@ -1,0 +1,55 @@
+"""Fully sharded data parallel (ZeRO-3) on the sharding engine: which dimension of each
+parameter goes over the ``fsdp`` mesh axis, and the batch layout of a module's inputs/outputs.
+
+XLA gathers each layer's parameters where the step uses them and reduce-scatters their gradients
+(Note [SPMD mode] in torchacc/runtime/mesh.py); optimizer state follows its parameter's sharding.
+Used by torch_xla's ``SpmdFullyShardedDataParallel`` and by ``accelerate``'s ``dist.fsdp``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torchacc.distributed import sharding as engine
+
+
+def parameter_spec(shape, axis_size, axis="fsdp"):
+    """The partition spec of a parameter of ``shape``: dim 0 over ``axis`` as torch_xla does;
+    when ``axis_size`` does not divide dim 0, the largest dim it divides (torchacc keeps
+    arrays unpadded); a tensor no dim of which it divides stays replicated."""
+    spec = [None] * len(shape)
+    if not shape or axis_size == 1:
+        return tuple(spec)
+    if shape[0] % axis_size == 0:
+        spec[0] = axis
+        return tuple(spec)
+    dims = [d for d in range(len(shape)) if shape[d] % axis_size == 0]
+    if dims:
+        spec[max(dims, key=lambda d: shape[d])] = axis
+    return tuple(spec)
+
+
+def batch_spec(ndim, batch_axes):
+    """Dim 0 (the batch) over ``batch_axes`` (one name or a tuple), the rest replicated."""
+    if ndim == 0:
+        return ()
+    return (batch_axes, *([None] * (ndim - 1)))
+
+
+def shard_parameters(module, jmesh, axis="fsdp"):
+    """Shard every parameter of ``module`` not sharded yet over ``axis`` of ``jmesh``."""
+    size = dict(jmesh.shape)[axis]
+    for p in module.parameters():
+        s = engine.sharding_of(p)
+        if s is not None and any(e is not None for e in s.spec):
+            continue
+        spec = parameter_spec(tuple(p.shape), size, axis)
+        engine.mark(p, engine.named_sharding(jmesh, spec, tuple(p.shape), "fsdp"), "fsdp")
+
+
+def shard_batch(t, jmesh, batch_axes):
+    """Constrain tensor ``t`` to be split by batch (dim 0) over ``batch_axes``."""
+    if isinstance(t, torch.Tensor) and t.device.type == "torchacc" and t.dim() > 0:
+        spec = batch_spec(t.dim(), batch_axes)
+        engine.mark(t, engine.named_sharding(jmesh, spec, tuple(t.shape), "fsdp output"))
+    return t
