@@ -55,8 +55,10 @@ def test_not_implemented_names_raise_not_implemented_with_reason():
 
 
 def test_spmd_mesh_of_this_process_and_replicated_annotations():
+    """Without use_spmd(): a mesh of this process's one device and annotations that split
+    nothing work (HF Trainer's FSDPv2 mesh); sharded runs are tests/spmd_cases/."""
     n = xr.global_runtime_device_count()
-    assert n == 1
+    assert n == 1 and not xr.is_spmd()
     mesh = xs.Mesh(np.array(range(n)), (n, 1), axis_names=("fsdp", "tensor"))  # Trainer's FSDPv2
     assert mesh.size() == 1 and list(mesh.shape().items()) == [("fsdp", 1), ("tensor", 1)]
     assert xs.Mesh.from_str(str(mesh)).mesh_shape == (1, 1)
@@ -64,15 +66,13 @@ def test_spmd_mesh_of_this_process_and_replicated_annotations():
     try:
         assert xs.get_global_mesh() is mesh
         t = torch.ones(4, 3).to(torchacc.device())
-        assert xs.mark_sharding(t, mesh, ("fsdp", None)) is t  # axis of size 1: replicated
-        assert xs.sharding_of(t) == (mesh, ("fsdp", None))
-        assert xs.clear_sharding(t) is t and xs.sharding_of(t) is None
+        st = xs.mark_sharding(t, mesh, ("fsdp", None))  # axis of size 1: nothing to split
+        assert isinstance(st, xs.XLAShardedTensor) and st.global_tensor is t
+        assert xs.clear_sharding(st) is t
         assert xs.get_1d_mesh("data").axis_names == ("data",)
         jm = mesh.get_jax_mesh()
         assert jm.devices.shape == (1, 1) and jm.axis_names == ("fsdp", "tensor")
-        u, v = torch.ones(2).to(torchacc.device()), torch.zeros(3).to(torchacc.device())
-        a, b = xs.shard_as(u, v)
-        assert a is u and b is v  # both replicated: returned as they are
+        u = torch.ones(2).to(torchacc.device())
         assert xs.wrap_if_sharded(u) is u
     finally:
         xs.set_global_mesh(None)
@@ -84,20 +84,17 @@ def test_spmd_mesh_of_this_process_and_replicated_annotations():
         xs.mark_sharding(torch.ones(4, 3), mesh, ("model", None))
 
 
-def test_spmd_real_sharding_raises_naming_the_call(monkeypatch):
+def test_spmd_sharding_without_use_spmd_names_use_spmd(monkeypatch):
     from torchacc.torch_xla.distributed.spmd import xla_sharding
 
     monkeypatch.setattr(xla_sharding, "_device_count", lambda: 4)  # a job of 4 devices
     mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "tensor"))
     t = torch.ones(8, 2)
-    with pytest.raises(NotImplementedError, match=r"xs\.mark_sharding.*\(8, 2\).*'fsdp' of size 4"):
+    with pytest.raises(ValueError, match=r"\(8, 2\).*'fsdp' of size 4.*use_spmd"):
         xs.mark_sharding(t, mesh, ("fsdp", None))
-    assert xs.sharding_of(t) is None
-    assert xs.mark_sharding(t, mesh, (None, "tensor")) is t  # replicated over the size-1 axis
-    with pytest.raises(NotImplementedError, match="mark_sharding_with_gradients"):
-        xs.mark_sharding_with_gradients(t, mesh, ((0, 1), None))
-    with pytest.raises(NotImplementedError, match="ShardingSpec.xla_spec"):
-        xs.ShardingSpec(mesh, ("fsdp", None)).xla_spec(t)
+    assert xs.mark_sharding(t, mesh, (None, "tensor")).global_tensor is t  # size-1 axis
+    with pytest.raises(NotImplementedError, match="auto-sharding"):
+        xr.use_spmd(auto=True)
 
 
 # --- xm ------------------------------------------------------------------------------------------

@@ -249,3 +249,25 @@ def _get_executed_fallback_ops():
 _NO_SPMD = "XLA sharding objects: torchacc has no SPMD partitioner (one device per process)"
 OpSharding = not_implemented_class("torch_xla._XLAC.OpSharding", _NO_SPMD)
 XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_SPMD)
+
+
+# --- SPMD ----------------------------------------------------------------------------------------
+
+
+def _get_xla_sharding_spec(tensor):
+    """``tensor``'s sharding in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
+    last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none."""
+    from torchacc.distributed import sharding
+
+    t = getattr(tensor, "global_tensor", tensor)
+    if not sharding.is_spmd():
+        return ""
+    return sharding.hlo_text(sharding.sharding_of(t), t.dim())
+
+
+def _get_xla_sharding_type(tensor):
+    """torch_xla's ShardingType number of ``tensor``'s sharding, None when replicated/none."""
+    spec = _get_xla_sharding_spec(tensor)
+    if spec in ("", "{replicated}"):
+        return None
+    return 5 if "last_tile_dim_replicate" in spec else 3

@@ -298,12 +298,49 @@ def _mesh_or_global(mesh, call):
 def mark_sharding(t, mesh, partition_spec):
     """Shard ``t`` by ``partition_spec`` over ``mesh``: the layout of a parameter or input, or a
     sharding constraint on an activation (XLA propagates the rest). Returns an
-    ``XLAShardedTensor``."""
+    ``XLAShardedTensor``. Without SPMD mode only an annotation that splits nothing (every
+    axis it names has size 1, e.g. HF Trainer's FSDPv2 mesh of one device) is accepted."""
     t = unwrap_sharded_tensor(t)
     mesh = _mesh_or_global(mesh, "xs.mark_sharding")
+    if not engine.is_spmd():
+        _check_unsplit("xs.mark_sharding", t, mesh, partition_spec)
+        return XLAShardedTensor(t)
     sharding = mesh.named_sharding(partition_spec, tuple(t.shape), "xs.mark_sharding")
     engine.mark(t, sharding, "xs.mark_sharding")
     return XLAShardedTensor(t)
+
+
+def _check_unsplit(call, t, mesh, partition_spec):
+    spec = tuple(partition_spec)
+    if len(spec) != t.dim():
+        raise ValueError(
+            f"{call}: partition spec {spec} has {len(spec)} entries for a tensor of rank "
+            f"{t.dim()} (shape {tuple(t.shape)}) on mesh {mesh}"
+        )
+    sizes = mesh.shape()
+    for entry in spec:
+        for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+            name = (
+                axis
+                if isinstance(axis, str)
+                else (
+                    mesh._names()[axis]
+                    if isinstance(axis, int) and 0 <= axis < len(mesh.mesh_shape)
+                    else None
+                )
+            )
+            size = mesh.mesh_shape[axis] if isinstance(axis, int) and name else sizes.get(axis)
+            if size is None:
+                raise ValueError(
+                    f"{call}: axis {axis!r} in partition spec {spec} (tensor of shape "
+                    f"{tuple(t.shape)}) is not an axis of the mesh {mesh}"
+                )
+            if size > 1:
+                raise ValueError(
+                    f"{call}: partition spec {spec} would split a tensor of shape "
+                    f"{tuple(t.shape)} over mesh axis {axis!r} of size {size}, but SPMD mode is "
+                    "off; call torch_xla.runtime.use_spmd() at the start of the script"
+                )
 
 
 @differs("the gradient is not constrained (XLA's propagation places it)")

@@ -1,0 +1,196 @@
+"""SPMD sharding on 4 CPU devices (run by tests/test_spmd.py with CPU_NUM_DEVICES=4).
+
+Parity with eager PyTorch for 2-D data x model sharding and FSDPv2, compile counts, per-device
+bytes, torch_xla's sharding text and shards, constraints on activations, and bad input.
+"""
+
+import os
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torchacc  # noqa: E402
+import torchacc.torch_xla._XLAC as _XLAC  # noqa: E402
+import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
+import torchacc.torch_xla.runtime as xr  # noqa: E402
+from compile_counts import new_graphs  # noqa: E402
+from torchacc.distributed import sharding as engine  # noqa: E402
+from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
+    SpmdFullyShardedDataParallel as FSDPv2,
+)
+
+xr.use_spmd()
+DEV = torchacc.device()
+
+
+def _mlp():
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+
+def _params_close(model, ref, tol=1e-5):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach().cpu() - q.detach()).abs().max().item()
+        assert err <= tol, f"{name}: {err}"
+
+
+def test_device_counts():
+    assert xr.is_spmd()
+    assert xr.global_runtime_device_count() == 4
+    assert xr.addressable_runtime_device_count() == 4
+    assert xr.local_device_count() == 4
+
+
+def _train_2d(mesh, steps=6):
+    torch.manual_seed(0)
+    ref, model = _mlp(), _mlp()
+    model.load_state_dict(ref.state_dict())
+    model.to(DEV)
+    xs.mark_sharding(model[0].weight, mesh, ("model", None))
+    xs.mark_sharding(model[0].bias, mesh, ("model",))
+    xs.mark_sharding(model[2].weight, mesh, (None, "model"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    graphs = []
+    for _ in range(steps):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+        xd, yd = x.to(DEV), y.to(DEV)
+        xs.mark_sharding(xd, mesh, ("data", None))
+        before = new_graphs()
+        loss = torch.nn.functional.mse_loss(model(xd), yd)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        graphs.append(new_graphs() - before)
+        rloss = torch.nn.functional.mse_loss(ref(x), y)
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert abs(loss.item() - rloss.item()) <= 1e-5
+    return model, ref, opt, graphs
+
+
+def test_mlp_2d_data_model_sharding_matches_eager_and_compiles_once():
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    model, ref, opt, graphs = _train_2d(mesh)
+    _params_close(model, ref)
+    assert graphs[2:] == [0] * (len(graphs) - 2), graphs  # no new program after step 2
+    w = model[0].weight
+    assert _XLAC._get_xla_sharding_spec(w) == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+    # the optimizer state stayed sharded like its parameter
+    state = opt.state[w]["exp_avg"]
+    assert _XLAC._get_xla_sharding_spec(state) == _XLAC._get_xla_sharding_spec(w)
+    per_device = engine.per_device_bytes([w, state])
+    assert set(per_device) == {0, 1, 2, 3}
+    assert all(b == 2 * w.numel() * 4 // 2 for b in per_device.values())  # half of each, x2
+
+
+def test_sharding_text_forms_match_torch_xla():
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    t = torch.arange(32.0).reshape(8, 4).to(DEV)
+    cases = {
+        ("data", "model"): "{devices=[2,2]0,1,2,3}",
+        (None, "model"): "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}",
+        (("data", "model"), None): "{devices=[4,1]0,1,2,3}",
+        (None, None): "{replicated}",
+        (1, 0): "{devices=[2,2]0,2,1,3}",
+    }
+    for spec, text in cases.items():
+        xs.mark_sharding(t, mesh, spec)
+        assert _XLAC._get_xla_sharding_spec(t) == text, spec
+    assert torch.equal(t.cpu(), torch.arange(32.0).reshape(8, 4))  # values unchanged
+
+
+def test_local_shards_hold_the_slices_of_the_global_tensor():
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    host = torch.arange(32.0).reshape(8, 4)
+    st = xs.mark_sharding(host.to(DEV), mesh, (None, "model"))
+    assert st.sharding_spec == "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+    shards = st.local_shards
+    assert [s.ordinal for s in shards] == [0, 1, 2, 3]
+    for s in shards:
+        assert torch.equal(s.data, host[s.indices])
+        assert s.data.shape == (8, 2)
+    assert sorted(s.replica_id for s in shards) == [0, 0, 1, 1]
+    assert torch.equal((st * 2).cpu(), host * 2)  # usable as its global tensor
+
+
+def test_activation_constraint_and_hybrid_mesh():
+    mesh = xs.HybridMesh(ici_mesh_shape=(2, 2), axis_names=("data", "model"))
+    assert mesh.device_ids.tolist() == [0, 1, 2, 3]
+    x = torch.randn(8, 16)
+    w = torch.randn(16, 4)
+    xd, wd = x.to(DEV), w.to(DEV)
+    h = xd @ wd  # pending
+    xs.mark_sharding(h, mesh, ("data", "model"))
+    out = (h * 3).sum(0)
+    torchacc.sync()
+    assert torch.allclose(out.cpu(), ((x @ w) * 3).sum(0), atol=1e-5)
+    assert _XLAC._get_xla_sharding_spec(h) == "{devices=[2,2]0,1,2,3}"
+
+
+def test_fsdpv2_gpt_tiny_matches_eager_with_a_quarter_of_the_memory():
+    from gallery.gpt.model import build_gpt
+
+    mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
+    torch.manual_seed(0)
+    ref, model = build_gpt("gpt-tiny"), build_gpt("gpt-tiny")
+    model.load_state_dict(ref.state_dict())
+    model = FSDPv2(model.to(DEV), mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ropt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    graphs = []
+    for _ in range(5):
+        x = torch.randint(0, 512, (8, 32), generator=gen)
+        y = torch.randint(0, 512, (8, 32), generator=gen)
+        xd, yd = x.to(DEV), y.to(DEV)
+        xs.mark_sharding(xd, mesh, ("fsdp", None))
+        before = new_graphs()
+        loss = torch.nn.functional.cross_entropy(model(xd).view(-1, 512), yd.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        graphs.append(new_graphs() - before)
+        rloss = torch.nn.functional.cross_entropy(ref(x).view(-1, 512), y.view(-1))
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert abs(loss.item() - rloss.item()) <= 1e-5
+    _params_close(model, ref)
+    assert graphs[2:] == [0, 0, 0], graphs
+    params = list(model.parameters())
+    state = [v for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    per_device = engine.per_device_bytes(params + state)
+    full = sum(p.numel() * p.element_size() for p in ref.parameters()) * 3
+    assert max(per_device.values()) <= full / 4 * 1.05, (per_device, full)
+
+
+def test_bad_input_names_shape_spec_and_mesh():
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    t = torch.ones(8, 4).to(DEV)
+    before = _XLAC._get_xla_sharding_spec(t)
+    with pytest.raises(ValueError, match=r"8 device ids.*job has 4 device"):
+        xs.Mesh(np.arange(8), (4, 2))  # a mesh larger than the job
+    with pytest.raises(ValueError, match="holds 8 devices"):
+        xs.Mesh(np.arange(4), (4, 2))
+    with pytest.raises(ValueError, match="repeated device ids"):
+        xs.Mesh([0, 1, 1, 2], (2, 2))
+    with pytest.raises(ValueError, match=r"3 entries.*shape \(8, 4\).*mesh"):
+        xs.mark_sharding(t, mesh, ("data", None, None))
+    with pytest.raises(ValueError, match=r"'tensor'.*shape \(8, 4\).*not an axis"):
+        xs.mark_sharding(t, mesh, ("tensor", None))
+    with pytest.raises(ValueError, match="used twice"):
+        xs.mark_sharding(t, mesh, ("data", "data"))
+    assert _XLAC._get_xla_sharding_spec(t) == before  # nothing half-applied
+    with pytest.raises(ValueError, match="torchacc device"):
+        xs.mark_sharding(torch.ones(8, 4), mesh, ("data", None))
+    with pytest.raises(ValueError, match="'fsdp'"):
+        FSDPv2(torch.nn.Linear(4, 4).to(DEV), mesh)
