@@ -205,13 +205,13 @@ def hlo_text(sharding, ndim):
 def local_shards(t):
     """This process's shards of ``t``: ``(cpu tensor, index, replica_id, ordinal)`` each, the
     index a tuple of slices into the global tensor (computes ``t`` first if it is pending)."""
-    import torchacc
+    from torchacc.engine.execute import sync
     from torchacc.engine.transfer import read
     from torchacc.lazy.record import value_of
 
     value = value_of(t)
     if value.node is not None:
-        torchacc.sync()
+        sync()
         value = value_of(t)
     array = value.array
     shape = tuple(t.shape)
