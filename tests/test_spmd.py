@@ -43,3 +43,44 @@ def run_cases(name, devices=4, timeout=600):
 def test_sharding_cases_on_4_devices():
     out = run_cases("case_sharding.py")
     assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_two_processes_of_two_devices_form_one_mesh_of_four(tmp_path):
+    """torchrun, 2 processes x 2 CPU devices: one global mesh with the same results as eager
+    (and so as 1 process x 4 devices), for 2-D sharding and FSDPv2 on a HybridMesh."""
+    import json
+
+    from distributed_launch import env, free_port
+
+    out = tmp_path / "r"
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={free_port()}",
+        os.path.join(HERE, "spmd_cases", "mp_worker.py"),
+        str(out),
+    ]
+    proc = subprocess.run(
+        cmd,
+        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=os.path.dirname(HERE),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        assert (r["devices"], r["local"], r["process_count"]) == (4, 2, 2)
+        assert r["hybrid_ids"] == [0, 1, 2, 3]
+        for case in ("two_d", "fsdp"):
+            assert r[case]["param_err"] <= 1e-5, (case, r[case])
+            assert all(abs(a - b) <= 1e-5 for a, b in r[case]["losses"]), r[case]["losses"]
+            assert r[case]["graphs"][2:] == [0] * 3, r[case]["graphs"]
+        assert r["two_d"]["spec"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
+    assert results[0]["two_d"] == results[1]["two_d"]
