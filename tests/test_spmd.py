@@ -84,3 +84,59 @@ def test_two_processes_of_two_devices_form_one_mesh_of_four(tmp_path):
             assert r[case]["graphs"][2:] == [0] * 3, r[case]["graphs"]
         assert r["two_d"]["spec"] == "{devices=[2,1,2]0,2,1,3 last_tile_dim_replicate}"
     assert results[0]["two_d"] == results[1]["two_d"]
+
+
+def _launch(tmp_path, name, *flags, **env_extra):
+    import json
+
+    from distributed_launch import env
+
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "launch_single_task.py",
+            "--nproc_per_node=1",
+            "--model=gpt-tiny",
+            "--batch_size=8",
+            "--max_steps=4",
+            "--amp_level=O0",
+            f"--output={out}",
+            *flags,
+        ],
+        env=env(TORCHACC_CACHE_DIR="off", **env_extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(HERE),
+    )
+    return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
+
+
+@pytest.mark.slow
+def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
+    """--compiler-opt --fsdp --mesh 2,2 on 4 CPU devices trains gpt-tiny with the losses of the
+    eager single-process run on the same batches; bad flags are one-line errors (exit 2)."""
+    proc, sharded = _launch(
+        tmp_path,
+        "fsdp",
+        "--compiler-opt",
+        "--fsdp",
+        "--mesh=2,2",
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=4,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "fsdp: mesh data=2 x fsdp=2; parameter bytes per device" in proc.stdout + proc.stderr
+    proc, eager = _launch(tmp_path, "eager")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(sharded["losses"]) == 4
+    for a, b in zip(sharded["losses"], eager["losses"]):
+        assert abs(a - b) <= 1e-5, (sharded["losses"], eager["losses"])
+    for flags, message in (
+        (("--mesh=2,2",), "--mesh is for --fsdp --compiler-opt"),
+        (("--fsdp", "--model=resnet-tiny"), "--fsdp shards the gpt and llama models"),
+        (("--fsdp", "--compiler-opt", "--mesh=2"), "expected DATA,FSDP"),
+    ):
+        proc, _ = _launch(tmp_path, "bad", *flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])

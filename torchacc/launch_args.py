@@ -168,6 +168,19 @@ def build_parser() -> argparse.ArgumentParser:
         "(traced once, one program with the gradient all-reduce and GradScaler)",
     )
     g.add_argument(
+        "--fsdp",
+        action="store_true",
+        help="fully sharded data parallel for the gpt/llama models: with --compiler-opt FSDPv2 "
+        "through XLA's SPMD partitioner over every device this process drives (one process per "
+        "node; on a CPU set CPU_NUM_DEVICES=N); without it torch's FSDP2 (fully_shard)",
+    )
+    g.add_argument(
+        "--mesh",
+        default=None,
+        metavar="DATA,FSDP",
+        help="with --fsdp --compiler-opt: a 2-D data x fsdp mesh (e.g. 2,2); default 1,<devices>",
+    )
+    g.add_argument(
         "--kernel-opt",
         "--kernel_opt",
         dest="kernel_opt",
@@ -305,7 +318,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
         )
     _check_compile_mode(parser, args)
+    _check_fsdp(parser, args)
     return args
+
+
+def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--fsdp: language models only; with --compiler-opt one process per node (it drives all
+    of the node's devices); --mesh DATA,FSDP only with both."""
+    if args.mesh is not None and not (args.fsdp and args.compiler_opt):
+        parser.error("--mesh is for --fsdp --compiler-opt (the SPMD mesh of the sharded step)")
+    if not args.fsdp:
+        return
+    if args.model in ("resnet50", "resnet-tiny"):
+        parser.error(f"--fsdp shards the gpt and llama models, not {args.model}")
+    if args.compiler_opt and (args.compile_mode == "dynamo" or args.nproc_per_node != 1):
+        parser.error(
+            "--fsdp --compiler-opt runs one lazy process per node that drives all its devices "
+            "(--nproc_per_node=1, --compile_mode=lazy)"
+        )
+    if args.mesh is not None:
+        try:
+            data, fsdp = (int(x) for x in args.mesh.split(","))
+        except ValueError:
+            parser.error(f"--mesh {args.mesh!r}: expected DATA,FSDP (two whole numbers)")
+        if data < 1 or fsdp < 1:
+            parser.error(f"--mesh {args.mesh!r}: both sizes must be at least 1")
 
 
 def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -334,6 +334,41 @@ def _load_resume(args, task: Task, model: nn.Module, rank: int, logger) -> dict:
     return ckpt
 
 
+def _shard_fsdpv2(model, args, logger):
+    """--fsdp --compiler-opt: FSDPv2 over a (data, fsdp) mesh of every device; returns
+    (mesh, wrapped model) and logs each device's bytes of parameters."""
+    import numpy as np
+
+    import torchacc.torch_xla.distributed.spmd as xs
+    import torchacc.torch_xla.runtime as xr
+    from torchacc.distributed import sharding
+    from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+        SpmdFullyShardedDataParallel,
+    )
+
+    n = xr.global_runtime_device_count()
+    data, shards = (int(x) for x in args.mesh.split(",")) if args.mesh else (1, n)
+    if data * shards != n:
+        raise SystemExit(f"--mesh {data},{shards} holds {data * shards} devices; this job has {n}")
+    mesh = xs.Mesh(np.arange(n), (data, shards), ("data", "fsdp"))
+    wrapped = SpmdFullyShardedDataParallel(model, mesh, extra_data_axis="data")
+    per_device = sharding.per_device_bytes(list(model.parameters()))
+    logger.info(
+        f"fsdp: mesh data={data} x fsdp={shards}; parameter bytes per device "
+        f"{max(per_device.values()) if per_device else 0:,} "
+        f"(unsharded {sum(p.numel() * p.element_size() for p in model.parameters()):,})"
+    )
+    return mesh, wrapped
+
+
+def _shard_batch(mesh, *tensors):
+    import torchacc.torch_xla.distributed.spmd as xs
+
+    for t in tensors:
+        if t.dim() and t.shape[0] % mesh.size() == 0:
+            xs.mark_sharding(t, mesh, (("data", "fsdp"),) + (None,) * (t.dim() - 1))
+
+
 def train(task: Task, args: argparse.Namespace) -> dict:
     rank = int(os.environ["RANK"])
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -342,6 +377,11 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     # --compile_mode=dynamo: tensors stay on the eager device, the step is compiled as a whole
     compiler = enable_torchacc_compiler() and not dynamo
 
+    fsdp = bool(getattr(args, "fsdp", False))
+    if compiler and fsdp:  # SPMD mode before the device is first used (torch_xla's order)
+        import torchacc.torch_xla.runtime as xr
+
+        xr.use_spmd()
     if compiler:
         # torchacc: the TorchAcc recipe's imports, unchanged but for the package name.
         import torchacc.torch_xla.core.xla_model as xm
@@ -371,6 +411,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         xm.set_replication(device, [device])
         rank, world_size = xm.get_ordinal(), xm.xrt_world_size()
         model.to(device)
+        spmd_mesh = _shard_fsdpv2(model, args, logger) if fsdp else None
+        if spmd_mesh is not None:
+            model = spmd_mesh[1]
         xm.mark_step()
         if xm.xla_device_hw(device) == "GPU":
             set_peak_memory_fn(_xla_peak_memory_fn(xm, device), "xla")
@@ -398,7 +441,11 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.backends.cudnn.allow_tf32 = tf32
         model.to(device)
-        if not dynamo:  # dynamo: the compiled step all-reduces the gradients itself
+        if fsdp:  # torch's FSDP2: the eager fallback of --fsdp --compiler-opt
+            from torch.distributed.fsdp import fully_shard
+
+            model = fully_shard(model)
+        elif not dynamo:  # dynamo: the compiled step all-reduces the gradients itself
             model = nn.parallel.DistributedDataParallel(
                 model, device_ids=[local_rank] if cuda else None, gradient_as_bucket_view=True
             )
@@ -578,6 +625,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             compiles_before = compile_count()
             if compiler:
                 inputs, target = inputs.to(device), target.to(device)
+                if fsdp:  # the batch split over the mesh's data and fsdp axes
+                    _shard_batch(spmd_mesh[0], inputs, target)
             else:
                 inputs = inputs.to(device, non_blocking=True)
                 target = target.to(device, non_blocking=True)
@@ -596,14 +645,14 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()
-                    if compiler:
+                    if compiler and not fsdp:  # FSDPv2: XLA's partitioner reduces gradients
                         gradients = xm._fetch_gradients(optimizer)
                         xm.all_reduce("sum", gradients, scale=1.0 / world_size)
                     scaler.step(optimizer)
                     scaler.update()
                 else:
                     loss.backward()
-                    if compiler:
+                    if compiler and not fsdp:  # FSDPv2: XLA's partitioner reduces gradients
                         gradients = xm._fetch_gradients(optimizer)
                         xm.all_reduce("sum", gradients, scale=1.0 / world_size)
                     optimizer.step()
