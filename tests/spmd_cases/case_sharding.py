@@ -14,11 +14,12 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from compile_counts import new_graphs  # noqa: E402
+
 import torchacc  # noqa: E402
 import torchacc.torch_xla._XLAC as _XLAC  # noqa: E402
 import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
 import torchacc.torch_xla.runtime as xr  # noqa: E402
-from compile_counts import new_graphs  # noqa: E402
 from torchacc.distributed import sharding as engine  # noqa: E402
 from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
     SpmdFullyShardedDataParallel as FSDPv2,
@@ -194,3 +195,44 @@ def test_bad_input_names_shape_spec_and_mesh():
         xs.mark_sharding(torch.ones(8, 4), mesh, ("data", None))
     with pytest.raises(ValueError, match="'fsdp'"):
         FSDPv2(torch.nn.Linear(4, 4).to(DEV), mesh)
+
+
+def test_uneven_dimension_is_padded_and_trains_like_eager():
+    """A 50-row embedding (GPT-2's 50,257 rows in small) over 4 devices: shards of 13 rows,
+    the last one padded, values and training unchanged, the layout kept across steps."""
+    mesh = xs.Mesh(np.arange(4), (4,), ("fsdp",))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.Embedding(50, 6), torch.nn.Linear(6, 3))
+    model = torch.nn.Sequential(torch.nn.Embedding(50, 6), torch.nn.Linear(6, 3))
+    model.load_state_dict(ref.state_dict())
+    model.to(DEV)
+    emb = model[0].weight
+    st = xs.mark_sharding(emb, mesh, ("fsdp", None))
+    assert st.sharding_spec == "{devices=[4,1]0,1,2,3}"
+    assert torch.equal(emb.cpu(), ref[0].weight.detach())
+    shards = st.local_shards
+    assert [s.data.shape[0] for s in shards] == [13, 13, 13, 11]
+    for s in shards:
+        assert torch.equal(s.data, ref[0].weight.detach()[s.indices])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    gen = torch.Generator().manual_seed(2)
+    graphs = []
+    for _ in range(5):
+        idx = torch.randint(0, 50, (8,), generator=gen)
+        before = new_graphs()
+        loss = model(idx.to(DEV)).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        graphs.append(new_graphs() - before)
+        rloss = ref(idx).square().mean()
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert abs(loss.item() - rloss.item()) <= 1e-6
+    _params_close(model, ref, 1e-6)
+    assert graphs[2:] == [0, 0, 0], graphs
+    assert _XLAC._get_xla_sharding_spec(emb) == "{devices=[4,1]0,1,2,3}"
+    assert set(engine.per_device_bytes([emb]).values()) == {13 * 6 * 4}

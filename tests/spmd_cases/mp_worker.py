@@ -18,10 +18,11 @@ import torchacc.torch_xla.runtime as xr  # noqa: E402
 
 xr.use_spmd()  # before the first device use: this process joins with both its devices
 
+from compile_counts import new_graphs  # noqa: E402
+
 import torchacc  # noqa: E402
 import torchacc.torch_xla._XLAC as _XLAC  # noqa: E402
 import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
-from compile_counts import new_graphs  # noqa: E402
 from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
     SpmdFullyShardedDataParallel as FSDPv2,
 )

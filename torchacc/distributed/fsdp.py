@@ -13,20 +13,10 @@ import torch
 from torchacc.distributed import sharding as engine
 
 
-def parameter_spec(shape, axis_size, axis="fsdp"):
-    """The partition spec of a parameter of ``shape``: dim 0 over ``axis`` as torch_xla does;
-    when ``axis_size`` does not divide dim 0, the largest dim it divides (torchacc keeps
-    arrays unpadded); a tensor no dim of which it divides stays replicated."""
-    spec = [None] * len(shape)
-    if not shape or axis_size == 1:
-        return tuple(spec)
-    if shape[0] % axis_size == 0:
-        spec[0] = axis
-        return tuple(spec)
-    dims = [d for d in range(len(shape)) if shape[d] % axis_size == 0]
-    if dims:
-        spec[max(dims, key=lambda d: shape[d])] = axis
-    return tuple(spec)
+def parameter_spec(shape, axis="fsdp"):
+    """The partition spec of a parameter of ``shape``: dim 0 over ``axis``, as torch_xla does (a
+    dim 0 the axis does not divide is padded: Note [Padded shards] in program/sharding.py)."""
+    return tuple([axis] + [None] * (len(shape) - 1)) if shape else ()
 
 
 def batch_spec(ndim, batch_axes):
@@ -38,12 +28,11 @@ def batch_spec(ndim, batch_axes):
 
 def shard_parameters(module, jmesh, axis="fsdp"):
     """Shard every parameter of ``module`` not sharded yet over ``axis`` of ``jmesh``."""
-    size = dict(jmesh.shape)[axis]
     for p in module.parameters():
         s = engine.sharding_of(p)
         if s is not None and any(e is not None for e in s.spec):
             continue
-        spec = parameter_spec(tuple(p.shape), size, axis)
+        spec = parameter_spec(tuple(p.shape), axis)
         engine.mark(p, engine.named_sharding(jmesh, spec, tuple(p.shape), "fsdp"), "fsdp")
 
 

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import torch
 
+from torchacc.program import sharding as program_sharding
 from torchacc.runtime import mesh as runtime_mesh
 
 _meshes: dict = {}
@@ -144,7 +145,7 @@ def mark(t, sharding, call="mark_sharding"):
     runtime_mesh.adopt_mesh(sharding.mesh)
     value = value_of(t)
     if t._view is None and value.node is None and value.buf is not None:
-        value.buf = _reshard(value.buf, sharding)
+        value.buf = _reshard(value, sharding)
         known.spoil("a tensor was resharded")
     else:
         name = rules.name_sharding(sharding)
@@ -154,12 +155,22 @@ def mark(t, sharding, call="mark_sharding"):
     return t
 
 
-def _reshard(array, sharding):
-    if array.sharding == sharding:
+def _reshard(value, sharding):
+    """``value``'s data laid out as ``sharding``, padded where a dimension does not divide
+    (Note [Padded shards] in program/sharding.py)."""
+    array = value.buf
+    logical = tuple(value.desc[0])
+    padded = program_sharding.padded_shape(logical, sharding)
+    if array.sharding == sharding and tuple(array.shape) == padded:
         return array
-    if getattr(array, "is_fully_addressable", True) and not _spans_processes(sharding):
+    if tuple(array.shape) == padded and not _spans_processes(sharding):
         return jax.device_put(array, sharding)
-    return jax.jit(lambda a: a, out_shardings=sharding)(array)
+
+    def relayout(a):
+        a = a[tuple(slice(0, n) for n in logical)]
+        return jax.numpy.pad(a, [(0, p - n) for n, p in zip(logical, padded)])
+
+    return jax.jit(relayout, out_shardings=sharding)(array)
 
 
 def _spans_processes(sharding):
@@ -213,15 +224,17 @@ def local_shards(t):
     if value.node is not None:
         sync()
         value = value_of(t)
-    array = value.array
+    array = value.buf  # padded where the layout needs it (Note [Padded shards])
     shape = tuple(t.shape)
     out = []
     for s in sorted(array.addressable_shards, key=lambda s: s.device.id):
-        index = tuple(
-            slice(*sl.indices(n)[:2]) if isinstance(sl, slice) else sl
-            for sl, n in zip(s.index, shape)
-        )
-        out.append((read(s.data, t.dtype), index, s.replica_id, ordinal(s.device)))
+        index = []
+        for sl, n, p in zip(s.index, shape, array.shape):
+            start, stop, _ = sl.indices(p)
+            index.append(slice(min(start, n), min(stop, n)))
+        keep = tuple(slice(0, i.stop - i.start) for i in index)
+        data = read(s.data, t.dtype)[keep]
+        out.append((data, tuple(index), s.replica_id, ordinal(s.device)))
     return out
 
 

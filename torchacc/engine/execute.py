@@ -95,8 +95,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
     shardings = None
     if sharding.active():  # Note [SPMD mode] in runtime/mesh.py
         sharding.normalize(graph.loose)
-        arrays = graph.args()
-        shardings = (sharding.in_shardings(arrays), sharding.out_shardings(outputs, starts))
+        shardings = sharding.plan(graph, outputs, starts)
     args = _args(graph.floats, graph.ints, graph.args())
     exe = compiler.compiled_for(graph, args, shardings)
     if learn:

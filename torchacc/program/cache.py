@@ -12,7 +12,7 @@ import jax
 
 from torchacc import metrics
 from torchacc.lowering import precision
-from torchacc.program import known, spmd  # Note [Multi-process programs]
+from torchacc.program import known, sharding, spmd  # Note [Multi-process programs]
 from torchacc.program.build import program_of
 
 _cache: dict = {}
@@ -47,7 +47,7 @@ jax.monitoring.register_event_listener(_on_event)
 
 def compiled_for(graph, args, shardings=None):
     """The executable for ``graph`` (compiling it on a cache miss); ``shardings``: the
-    program's (argument, result) shardings in SPMD mode (program/sharding.py), else None."""
+    program's ``sharding.plan`` in SPMD mode (program/sharding.py), else None."""
     key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
     if shardings is not None:
         key += shardings
@@ -62,10 +62,9 @@ def compiled_for(graph, args, shardings=None):
     donate = tuple(2 + i for i in graph.donate)
     with precision.scope():
         if shardings is not None:  # Note [SPMD mode] in runtime/mesh.py
-            ins, outs = shardings
-            fn = jax.jit(
-                program_of(graph), donate_argnums=donate, in_shardings=ins, out_shardings=list(outs)
-            )
+            ins, outs, in_pads, out_pads = shardings
+            program = sharding.unpadded(program_of(graph), graph, in_pads, out_pads)
+            fn = jax.jit(program, donate_argnums=donate, in_shardings=ins, out_shardings=list(outs))
             exe = fn.lower(*args).compile()
         elif spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
             exe = spmd.compile_spmd(program_of(graph), args, donate)

@@ -10,6 +10,15 @@ Note [SPMD mode] is in torchacc/runtime/mesh.py. Here, for one program:
   another layout between steps (which would compile a second program and move data every step);
   other results are left to XLA's sharding propagation;
 - both go into the program's key, and the argument shardings into a known step's launch key.
+
+Note [Padded shards]
+JAX lays an array out only if each sharded dimension divides evenly over its mesh axes, while
+torch_xla pads (GPT-2's 50,257-row embedding over 4 devices). torchacc pads the same way: a tensor
+sharded unevenly keeps its logical shape in its Value's desc, and its array is padded at the end
+of each such dimension to the next multiple (the padding holds zeros, and nothing reads it). A
+program slices padded arguments back to their logical shape on entry and pads a result that
+keeps a padded tensor's layout on exit (``unpadded``); XLA fuses both into their neighbours.
+``Value.array`` (a host read, ``call_jax``) gives the logical array; ``buf`` is the padded one.
 """
 
 from __future__ import annotations
@@ -47,26 +56,75 @@ def normalize(loose):
             v.buf = jax.device_put(a, mesh.replicated())
 
 
-def in_shardings(arrays):
-    """Shardings of a program's arguments: the two scalar vectors, then ``arrays``."""
+def padded_shape(shape, sharding):
+    """``shape`` with each dimension ``sharding`` splits rounded up to a multiple of its split
+    (Note [Padded shards])."""
+    sizes = dict(sharding.mesh.shape)
+    out = []
+    for n, entry in zip(shape, tuple(sharding.spec) + (None,) * (len(shape) - len(sharding.spec))):
+        k = 1
+        for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+            k *= sizes[axis]
+        out.append(-(-n // k) * k)
+    return tuple(out)
+
+
+def plan(graph, outputs, starts):
+    """``(argument shardings, result shardings, padded argument shapes, padded result shapes)``
+    of ``graph``'s program (a shape entry is None where nothing is padded)."""
     rep = mesh.replicated()
-    return (rep, rep, *[a.sharding for a in arrays])
-
-
-def out_shardings(outputs, starts):
-    """Per result, the sharding of the data its storage held before the step, else None."""
-    if starts is None:
-        return (None,) * len(outputs)
-    result = []
-    for v, start in zip(outputs, starts):
+    arrays = graph.args()
+    ins = (rep, rep, *[a.sharding for a in arrays])
+    in_pads = tuple(
+        tuple(a.shape) if tuple(a.shape) != tuple(v.desc[0]) else None
+        for a, v in zip(arrays, graph.loose)
+    )
+    outs, out_pads = [], []
+    for i, v in enumerate(outputs):
+        start = None if starts is None else starts[i]
         a = None if start is None else start.buf
         s = getattr(a, "sharding", None)
-        result.append(s if s is not None and tuple(a.shape) == tuple(v.desc[0]) else None)
-    return tuple(result)
+        logical = tuple(v.desc[0])
+        if s is not None and tuple(start.desc[0]) == logical:
+            outs.append(s)
+            out_pads.append(tuple(a.shape) if tuple(a.shape) != logical else None)
+        else:
+            outs.append(None)
+            out_pads.append(None)
+    return ins, tuple(outs), in_pads, tuple(out_pads)
+
+
+def unpadded(program, graph, in_pads, out_pads):
+    """``program`` taking padded arguments and giving padded results where the plan says
+    (Note [Padded shards])."""
+    if not any(in_pads) and not any(out_pads):
+        return program
+    logical_in = [v.desc[0] for v in graph.loose]
+    logical_out = [v.desc[0] for v in graph.outputs]
+
+    def run(floats, ints, *arrays):
+        arrays = [
+            a if pad is None else a[tuple(slice(0, n) for n in shape)]
+            for a, pad, shape in zip(arrays, in_pads, logical_in)
+        ]
+        results = program(floats, ints, *arrays)
+        return [
+            r if pad is None else jax.numpy.pad(r, [(0, p - n) for n, p in zip(shape, pad)])
+            for r, pad, shape in zip(results, out_pads, logical_out)
+        ]
+
+    return run
+
+
+def logical(array, shape):
+    """The logical ``shape`` part of a possibly padded array (Note [Padded shards])."""
+    if tuple(array.shape) == tuple(shape):
+        return array
+    return array[tuple(slice(0, n) for n in shape)]
 
 
 def launch_key(loose):
     """The part of a known step's launch key that SPMD adds: its arguments' shardings."""
     if not mesh._state.on:
         return ()
-    return tuple([getattr(v.buf, "sharding", None) for v in loose])
+    return tuple([(getattr(v.buf, "sharding", None), getattr(v.buf, "shape", None)) for v in loose])
