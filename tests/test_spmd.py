@@ -127,7 +127,9 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
         CPU_NUM_DEVICES=4,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "fsdp: mesh data=2 x fsdp=2; parameter bytes per device" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "fsdp: mesh data=2 x fsdp=2; parameter bytes per device" in log
+    assert "fsdp: bytes per device after step 2: parameters" in log and "optimizer state" in log
     proc, eager = _launch(tmp_path, "eager")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(sharded["losses"]) == 4

@@ -361,6 +361,14 @@ def _shard_fsdpv2(model, args, logger):
     return mesh, wrapped
 
 
+def _log_sharded_memory(logger, model, optimizer):
+    from torchacc.distributed import sharding
+
+    report = sharding.memory_report(model, optimizer)
+    parts = [f"{k.replace('_', ' ')} {max(v.values()) if v else 0:,}" for k, v in report.items()]
+    logger.info(f"fsdp: bytes per device after step 2: {', '.join(parts)}")
+
+
 def _shard_batch(mesh, *tensors):
     import torchacc.torch_xla.distributed.spmd as xs
 
@@ -378,6 +386,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     compiler = enable_torchacc_compiler() and not dynamo
 
     fsdp = bool(getattr(args, "fsdp", False))
+    spmd_mesh = None  # (xs.Mesh, FSDPv2 model) with --fsdp --compiler-opt
     if compiler and fsdp:  # SPMD mode before the device is first used (torch_xla's order)
         import torchacc.torch_xla.runtime as xr
 
@@ -685,6 +694,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                         f"first step done in {first_step_time:.2f} s (trace + compile + run); "
                         "step times and ETA count the steps after it"
                     )
+            if done == 2 and spmd_mesh is not None and rank == 0:  # optimizer state exists now
+                _log_sharded_memory(logger, model, optimizer)
             if at_warm:
                 t_warm = now
             if at_log and rank == 0:

@@ -172,6 +172,13 @@ def test_fsdpv2_gpt_tiny_matches_eager_with_a_quarter_of_the_memory():
     per_device = engine.per_device_bytes(params + state)
     full = sum(p.numel() * p.element_size() for p in ref.parameters()) * 3
     assert max(per_device.values()) <= full / 4 * 1.05, (per_device, full)
+    report = engine.memory_report(model, opt)
+    assert report["gradients"] == {}  # zero_grad(set_to_none) left none
+    assert max(report["optimizer_state"].values()) <= full * 2 / 3 / 4 * 1.05
+    from torchacc.torch_xla.core import xla_model as xm
+
+    live = xm.get_memory_info(DEV)["tensor_bytes_per_device"]
+    assert set(live) == {0, 1, 2, 3} and min(live.values()) >= max(per_device.values())
 
 
 def test_bad_input_names_shape_spec_and_mesh():

@@ -256,3 +256,36 @@ def per_device_bytes(tensors):
             k = ordinal(s.device)
             total[k] = total.get(k, 0) + s.data.nbytes
     return total
+
+
+def live_bytes_per_device():
+    """Bytes each device holds of every live computed torchacc tensor (SPMD mode): {ordinal:
+    bytes}, padding included. What ``xm.get_memory_info`` reports as ``tensor_bytes``."""
+    from torchacc.ir import live_storages
+
+    total: dict = {}
+    seen = set()
+    for st in live_storages():
+        array = st.value.buf if st.value.node is None else None
+        if not isinstance(array, jax.Array) or id(array) in seen:
+            continue
+        seen.add(id(array))
+        for s in array.addressable_shards:
+            k = ordinal(s.device)
+            total[k] = total.get(k, 0) + s.data.nbytes
+    return total
+
+
+def memory_report(model, optimizer=None):
+    """Per device, the bytes of ``model``'s parameters, their gradients and ``optimizer``'s
+    state: {"parameters": {ordinal: bytes}, "gradients": ..., "optimizer_state": ...}."""
+    params = list(model.parameters())
+    state = []
+    if optimizer is not None:
+        for per_param in optimizer.state.values():
+            state += [v for v in per_param.values() if isinstance(v, torch.Tensor)]
+    return {
+        "parameters": per_device_bytes(params),
+        "gradients": per_device_bytes([p.grad for p in params]),
+        "optimizer_state": per_device_bytes(state),
+    }

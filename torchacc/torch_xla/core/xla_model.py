@@ -358,13 +358,18 @@ def get_memory_info(device=None):
         limit = page * os.sysconf("SC_PHYS_PAGES")
         used = limit - page * os.sysconf("SC_AVPHYS_PAGES")
         peak = used
-    return {
+    info = {
         "bytes_used": used,
         "bytes_limit": limit,
         "peak_bytes_used": peak,
         "kb_free": max(limit - used, 0) // 1024,
         "kb_total": limit // 1024,
     }
+    from torchacc.distributed import sharding
+
+    if sharding.is_spmd():  # per device: the bytes of live tensors' shards (padding included)
+        info["tensor_bytes_per_device"] = sharding.live_bytes_per_device()
+    return info
 
 
 # --------------------------------------------------------------------------------------------
