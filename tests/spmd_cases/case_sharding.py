@@ -231,7 +231,7 @@ def test_uneven_dimension_is_padded_and_trains_like_eager():
         loss = model(idx.to(DEV)).square().mean()
         loss.backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=False)  # gradients kept: they stay sharded like the weight
         torchacc.sync()
         graphs.append(new_graphs() - before)
         rloss = ref(idx).square().mean()
@@ -242,4 +242,7 @@ def test_uneven_dimension_is_padded_and_trains_like_eager():
     _params_close(model, ref, 1e-6)
     assert graphs[2:] == [0, 0, 0], graphs
     assert _XLAC._get_xla_sharding_spec(emb) == "{devices=[4,1]0,1,2,3}"
-    assert set(engine.per_device_bytes([emb]).values()) == {13 * 6 * 4}
+    momentum = opt.state[emb]["momentum_buffer"]
+    for t in (emb, emb.grad, momentum):  # the padded layout, 13 rows a device
+        assert set(engine.per_device_bytes([t]).values()) == {13 * 6 * 4}
+        assert _XLAC._get_xla_sharding_spec(t) == "{devices=[4,1]0,1,2,3}"

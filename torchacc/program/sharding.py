@@ -8,7 +8,10 @@ Note [SPMD mode] is in torchacc/runtime/mesh.py. Here, for one program:
 - every result that overwrites a tensor's previous data (its storage's ``start``: a parameter, an
   optimizer moment, a running statistic) keeps that data's sharding, so state does not drift to
   another layout between steps (which would compile a second program and move data every step);
-  other results are left to XLA's sharding propagation;
+  a result the step creates (no previous data) with the shape and dtype of a sharded argument
+  takes that argument's layout (a parameter's gradient, optimizer state made by ``zeros_like``:
+  ZeRO-3 keeps them sharded like their parameter, and XLA cannot express the padded layout of
+  Note [Padded shards] itself); other results are left to XLA's sharding propagation;
 - both go into the program's key, and the argument shardings into a known step's launch key.
 
 Note [Padded shards]
@@ -79,18 +82,23 @@ def plan(graph, outputs, starts):
         tuple(a.shape) if tuple(a.shape) != tuple(v.desc[0]) else None
         for a, v in zip(arrays, graph.loose)
     )
+    like = {}  # (logical shape, dtype) -> the first sharded argument of it
+    for a, v in zip(arrays, graph.loose):
+        if any(e is not None for e in a.sharding.spec):
+            like.setdefault((tuple(v.desc[0]), v.desc[2]), a)
     outs, out_pads = [], []
     for i, v in enumerate(outputs):
         start = None if starts is None else starts[i]
-        a = None if start is None else start.buf
-        s = getattr(a, "sharding", None)
         logical = tuple(v.desc[0])
-        if s is not None and tuple(start.desc[0]) == logical:
-            outs.append(s)
-            out_pads.append(tuple(a.shape) if tuple(a.shape) != logical else None)
-        else:
+        a = None if start is None else start.buf
+        if getattr(a, "sharding", None) is None or tuple(start.desc[0]) != logical:
+            a = like.get((logical, v.desc[2])) if start is None else None
+        if a is None:
             outs.append(None)
             out_pads.append(None)
+        else:
+            outs.append(a.sharding)
+            out_pads.append(tuple(a.shape) if tuple(a.shape) != logical else None)
     return ins, tuple(outs), in_pads, tuple(out_pads)
 
 
