@@ -246,3 +246,50 @@ def test_uneven_dimension_is_padded_and_trains_like_eager():
     for t in (emb, emb.grad, momentum):  # the padded layout, 13 rows a device
         assert set(engine.per_device_bytes([t]).values()) == {13 * 6 * 4}
         assert _XLAC._get_xla_sharding_spec(t) == "{devices=[4,1]0,1,2,3}"
+
+
+def test_fsdpv2_with_gradient_checkpointing_and_auto_wrap():
+    """FSDPv2 wrapping each block (auto_wrap_policy) whose forward is checkpointed
+    (torch.utils.checkpoint): the same losses and weights as eager."""
+    import functools
+
+    from torch.distributed.fsdp.wrap import transformer_auto_wrap_policy
+    from torch.utils.checkpoint import checkpoint
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            return checkpoint(lambda y: torch.tanh(self.fc(y)), x, use_reentrant=False)
+
+    def make():
+        return torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
+
+    mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
+    torch.manual_seed(0)
+    ref, model = make(), make()
+    model.load_state_dict(ref.state_dict())
+    policy = functools.partial(transformer_auto_wrap_policy, transformer_layer_cls={Block})
+    model = FSDPv2(model.to(DEV), mesh, auto_wrap_policy=policy)
+    assert isinstance(model.module[0], FSDPv2) and not isinstance(model.module[2], FSDPv2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3):
+        x = torch.randn(8, 16, generator=gen)
+        xd = x.to(DEV)
+        xs.mark_sharding(xd, mesh, ("fsdp", None))
+        loss = model(xd).square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        rloss = ref(x).square().mean()
+        rloss.backward()
+        ropt.step()
+        ropt.zero_grad()
+        assert abs(loss.item() - rloss.item()) <= 1e-6
+    _params_close(model, ref, 1e-6)
+    assert _XLAC._get_xla_sharding_spec(model.module[0].fc.weight) == "{devices=[4,1]0,1,2,3}"
