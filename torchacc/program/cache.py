@@ -62,6 +62,13 @@ def compiled_for(graph, args, shardings=None):
     donate = tuple(2 + i for i in graph.donate)
     with precision.scope():
         if shardings is not None:  # Note [SPMD mode] in runtime/mesh.py
+            if spmd.is_spmd_graph(graph):
+                raise RuntimeError(
+                    "torchacc: a step in SPMD mode (xr.use_spmd()) holds a per-process collective "
+                    "(xm.all_reduce, a 'xla' process group call) with several processes; in SPMD "
+                    "mode XLA's partitioner reduces across devices itself: leave the collective "
+                    "out (or run without use_spmd, one device per process)"
+                )
             ins, outs, in_pads, out_pads = shardings
             program = sharding.unpadded(program_of(graph), graph, in_pads, out_pads)
             fn = jax.jit(program, donate_argnums=donate, in_shardings=ins, out_shardings=list(outs))
