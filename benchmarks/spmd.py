@@ -115,6 +115,7 @@ def main():
         help="d=64, vocab 512 (host cost: on XLA:CPU a program runs in the calling thread, so "
         "only tiny tensors show the host's share)",
     )
+    p.add_argument("--repeats", type=int, default=1, help="run the configurations this often")
     p.add_argument("--json")
     p.add_argument("--_child", nargs=2, metavar=("DEVICES", "SPMD"), help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -124,6 +125,7 @@ def main():
         print("ROW " + json.dumps(row), flush=True)
         return
     runs = [(n, True) for n in args.devices] + ([(1, False)] if args.baseline else [])
+    runs = runs * args.repeats  # alternating: machine drift hits every configuration alike
     rows = []
     for n, spmd in runs:
         env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(n), TORCHACC_CACHE_DIR="off")
@@ -142,7 +144,7 @@ def main():
             str(args.batch),
             "--seq",
             str(args.seq),
-        ]
+        ] + (["--narrow"] if args.narrow else [])
         out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
         line = [x for x in out.stdout.splitlines() if x.startswith("ROW ")]
         if not line:
