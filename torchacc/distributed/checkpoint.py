@@ -1,0 +1,430 @@
+"""Distributed checkpoints of torchacc tensors in torch.distributed.checkpoint's (DCP's) format.
+
+The engine part of ``torch_xla.experimental.distributed_checkpoint``: the save and load planners
+that turn sharded torchacc tensors into DCP chunks and back, the host snapshot an asynchronous
+save writes from, and a metadata reader that unpickles nothing but DCP's own metadata classes.
+``checkpoint_manager.py`` builds step-numbered, atomic checkpoints on top.
+
+Note [Sharded checkpoints]
+A torchacc tensor in SPMD mode is a global ``jax.Array``; each process holds the shards of its
+own devices, and a shard replicated over several devices has one ``replica_id`` per copy,
+numbered over the *whole job* by JAX. Saving writes, for every torchacc tensor, exactly the
+shards with ``replica_id == 0`` this process holds: each block of the tensor is written once in
+the job, by one process, and no block is left out. (torch_xla 2.9 de-duplicates by shard offset
+within a host instead, which drops both local copies of a weight split on one mesh axis and
+replicated on another.) Each block is a DCP ``SHARD`` write item whose chunk is the block's
+offsets and sizes in the global tensor, so the checkpoint is plain DCP: any DCP reader (or
+``torch.distributed.checkpoint.format_utils``) reads it, and the files hold tensors only. A
+replicated tensor (or one on the one-device-per-process device) is the same case with one block.
+Plain CPU tensors and other objects go through DCP's default path.
+
+Loading never assumes the saved layout: for every torchacc tensor in the target state dict, the
+planner lists the distinct blocks its *current* sharding puts on this process's devices and lets
+DCP (``create_read_items_for_chunk_list``) compute which parts of which saved chunks overlap
+them -- that is the resharding (4 devices -> 2, sharded -> replicated, ...). The blocks are
+filled on the host, then each tensor gets a new global array with its current sharding
+(``jax.make_array_from_callback``) installed as a data value, like a host-to-device copy.
+Shapes are checked against the checkpoint before anything is read, and the new arrays are
+installed only once *every* torchacc tensor's reads are complete: a bad checkpoint raises and
+leaves the device state as it was.
+
+``weights_only``: DCP reads tensor data with ``torch.load(weights_only=True)``, but its
+``FileSystemReader`` unpickles the ``.metadata`` file with plain ``pickle`` and the default
+planner loads non-tensor values with ``weights_only=False``. ``SafeFileSystemReader`` reads
+metadata with an unpickler that only builds DCP's metadata classes, and ``SPMDLoadPlanner`` loads
+non-tensor values with ``weights_only=True``; ``CheckpointManager.restore`` uses both.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import math
+import pickle
+
+import jax
+import ml_dtypes
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    DefaultSavePlanner,
+    create_default_local_load_plan,
+)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadPlan,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+
+def _on_device(x):
+    return isinstance(x, torch.Tensor) and x.device.type == "torchacc"
+
+
+def _block(index, shape):
+    """(offsets, sizes) of a shard's index (a tuple of slices) into a tensor of ``shape``."""
+    offsets, sizes = [], []
+    for sl, n in zip(index, shape):
+        start, stop, _ = sl.indices(n)
+        offsets.append(start)
+        sizes.append(stop - start)
+    return tuple(offsets), tuple(sizes)
+
+
+def _computed_array(t):
+    """The global jax array holding ``t`` (computes ``t`` first if it is pending)."""
+    from torchacc.engine.execute import sync
+    from torchacc.lazy.record import value_of
+
+    value = value_of(t)
+    if value.node is not None:
+        sync()
+        value = value_of(t)
+    return value.array
+
+
+def _layout(array):
+    """An array's sharding for messages: its partition spec and mesh (or its devices)."""
+    s = array.sharding
+    if isinstance(s, jax.sharding.NamedSharding):
+        return f"partition spec {tuple(s.spec)} on mesh {dict(s.mesh.shape)}"
+    return f"unsharded on {sorted(d.id for d in s.device_set)}"
+
+
+class Shards:
+    """The blocks of one tensor this process writes: ``pieces`` maps a block's offsets to
+    ``(sizes, data)``, data a single-device jax array (read when written) or a CPU tensor."""
+
+    def __init__(self, shape, dtype, pieces):
+        self.shape = tuple(shape)
+        self.dtype = dtype
+        self.pieces = pieces
+
+    def read(self, offsets):
+        from torchacc.engine.transfer import read
+
+        sizes, data = self.pieces[tuple(offsets)]
+        if isinstance(data, torch.Tensor):
+            return data
+        return read(data, self.dtype).reshape(sizes)
+
+    def on_host(self):
+        """A copy whose blocks are CPU tensors (the device buffers may be donated later)."""
+        return Shards(
+            self.shape, self.dtype, {o: (s, self.read(o)) for o, (s, _) in self.pieces.items()}
+        )
+
+    def __repr__(self):
+        return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
+
+
+def unique_shards(t):
+    """``t``'s blocks that this process writes: its shards with replica id 0 (Note [Sharded
+    checkpoints]); the data stays on the device until :meth:`Shards.read`."""
+    array = _computed_array(t)
+    shape = tuple(t.shape)
+    pieces = {}
+    for s in array.addressable_shards:
+        if s.replica_id == 0:
+            offsets, sizes = _block(s.index, shape)
+            pieces[offsets] = (sizes, s.data)
+    return Shards(shape, t.dtype, pieces)
+
+
+def snapshot(state_dict):
+    """A flat copy of ``state_dict`` that training cannot change: torchacc tensors become host
+    :class:`Shards` of this process's unique blocks, CPU tensors clones, other values deep
+    copies (what an asynchronous save writes while the next steps run)."""
+    flat, _ = flatten_state_dict(state_dict)
+    out = {}
+    for k, v in flat.items():
+        if _on_device(v):
+            out[k] = unique_shards(v).on_host()
+        elif isinstance(v, Shards):
+            out[k] = v.on_host()
+        elif isinstance(v, torch.Tensor):
+            out[k] = v.detach().clone()
+        else:
+            out[k] = copy.deepcopy(v)
+    return out
+
+
+def _check_job():
+    if jax.process_count() > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "distributed checkpoint: this job has "
+            f"{jax.process_count()} processes but no torch.distributed process group; DCP "
+            "coordinates the processes through one: call "
+            "torch.distributed.init_process_group('gloo') first"
+        )
+
+
+def _write_item(fqn, shards, offsets, sizes):
+    return WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(
+            chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
+            properties=TensorProperties(dtype=shards.dtype),
+            size=torch.Size(shards.shape),
+        ),
+    )
+
+
+class SPMDSavePlanner(DefaultSavePlanner):
+    """DCP save planner for state dicts holding (sharded) torchacc tensors: each process writes
+    only its own unique blocks (Note [Sharded checkpoints]); everything else as DCP's default."""
+
+    def __init__(self, flatten_state_dict=True, flatten_sharded_tensors=True):
+        super().__init__(flatten_state_dict, flatten_sharded_tensors)
+        self.shards: dict = {}
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        _check_job()
+        super().set_up_planner(state_dict, storage_meta, is_coordinator)
+        self.shards, rest = {}, {}
+        for k, v in self.state_dict.items():
+            if _on_device(v):
+                self.shards[k] = unique_shards(v)
+            elif isinstance(v, Shards):
+                self.shards[k] = v
+            else:
+                rest[k] = v
+        self.state_dict = rest
+
+    def create_local_plan(self):
+        plan = super().create_local_plan()
+        items = [
+            _write_item(fqn, shards, offsets, sizes)
+            for fqn, shards in self.shards.items()
+            for offsets, (sizes, _) in shards.pieces.items()
+        ]
+        self.plan = dataclasses.replace(plan, items=plan.items + items)
+        return self.plan
+
+    def lookup_object(self, index):
+        shards = self.shards.get(index.fqn)
+        if shards is None:
+            return super().lookup_object(index)
+        return shards.read(index.offset)
+
+
+def _numpy(t):
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    return t.numpy()
+
+
+class _Target:
+    """A torchacc tensor being loaded: the distinct blocks its current sharding places on this
+    process's devices, filled on the host from DCP's reads."""
+
+    def __init__(self, t):
+        self.tensor = t
+        self.array = _computed_array(t)
+        self.shape = tuple(t.shape)
+        index_map = self.array.sharding.addressable_devices_indices_map(self.shape)
+        blocks = {}
+        for index in index_map.values():
+            offsets, sizes = _block(index, self.shape)
+            blocks.setdefault(offsets, sizes)
+        self.offsets = sorted(blocks)
+        self.sizes = [blocks[o] for o in self.offsets]
+        self.buffers: dict = {}
+
+    def chunks(self):
+        return [
+            ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s))
+            for o, s in zip(self.offsets, self.sizes)
+        ]
+
+    def numel(self):
+        return sum(math.prod(s) for s in self.sizes)
+
+    def buffer(self, index):
+        i = index.index
+        if i is None or i >= len(self.offsets) or self.offsets[i] != tuple(index.offset):
+            i = self.offsets.index(tuple(index.offset))
+        buf = self.buffers.get(i)
+        if buf is None:
+            buf = self.buffers[i] = torch.empty(self.sizes[i], dtype=self.tensor.dtype)
+        return buf
+
+    def build(self):
+        """A global array of the loaded data with the tensor's current sharding."""
+        by_offsets = {o: self.buffers[i] for i, o in enumerate(self.offsets)}
+
+        def block(index):
+            return _numpy(by_offsets[_block(index, self.shape)[0]])
+
+        return jax.make_array_from_callback(self.shape, self.array.sharding, block)
+
+    def check(self, fqn, md):
+        where = f"tensor {fqn!r} of shape {self.shape} ({_layout(self.array)})"
+        if isinstance(md, BytesStorageMetadata):
+            raise ValueError(f"load: {where}: the checkpoint holds a non-tensor value for it")
+        if tuple(md.size) != self.shape:
+            raise ValueError(
+                f"load: {where}: the checkpoint's tensor has shape {tuple(md.size)}; nothing "
+                "was loaded"
+            )
+
+
+def install(targets):
+    """Give each loaded tensor its new data (all arrays are built before any is installed)."""
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.mutation import assign
+    from torchacc.program import known
+
+    arrays = [(tg, tg.build()) for tg in targets]
+    for tg, array in arrays:
+        t = tg.tensor
+        assign(t, Value(contiguous_desc(tg.shape, t.dtype), array=array))
+    if arrays:
+        known.spoil("a checkpoint was loaded")
+
+
+class SPMDLoadPlanner(DefaultLoadPlanner):
+    """DCP load planner for state dicts holding (sharded) torchacc tensors: each tensor is
+    loaded in place with the sharding it has now, whatever the saved layout (Note [Sharded
+    checkpoints]); other values as DCP's default, non-tensor values with ``weights_only``."""
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
+        _check_job()
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        self.targets = {k: _Target(v) for k, v in self.state_dict.items() if _on_device(v)}
+        self.pending = 0
+
+    def create_local_plan(self):
+        if self.metadata is None:
+            raise ValueError("SPMDLoadPlanner: no checkpoint metadata")
+        check_shapes(self.state_dict, self.metadata, not self.allow_partial_load, self.targets)
+        rest = {k: v for k, v in self.state_dict.items() if k not in self.targets}
+        plan = create_default_local_load_plan(rest, self.metadata, not self.allow_partial_load)
+        items = list(plan.items)
+        self.pending = 0
+        for fqn, target in self.targets.items():
+            md = self.metadata.state_dict_metadata.get(fqn)
+            if md is None or target.numel() == 0:
+                continue
+            items += create_read_items_for_chunk_list(fqn, md, target.chunks())
+            self.pending += target.numel()
+        return LoadPlan(items, planner_data=plan.planner_data)
+
+    def lookup_tensor(self, index):
+        target = self.targets.get(index.fqn)
+        if target is None:
+            return super().lookup_tensor(index)
+        return target.buffer(index)
+
+    def commit_tensor(self, read_item, tensor):
+        if read_item.dest_index.fqn not in self.targets:
+            return
+        self.pending -= math.prod(read_item.lengths)
+        if self.pending < 0:
+            raise RuntimeError(f"SPMDLoadPlanner: more data read than asked for {read_item}")
+        if self.pending == 0:
+            install([t for t in self.targets.values() if t.buffers])
+
+    def load_bytes(self, read_item, value):
+        obj = torch.load(value, weights_only=True)
+        fqn = read_item.dest_index.fqn
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+def check_shapes(flat, metadata, strict=True, targets=None):
+    """Raise a ``ValueError`` naming the first tensor of the flat state dict ``flat`` whose shape
+    (or kind) differs from the checkpoint's ``metadata`` (or that it lacks, when ``strict``)."""
+    targets = targets if targets is not None else {}
+    saved = metadata.state_dict_metadata
+    for fqn, v in flat.items():
+        md = saved.get(fqn)
+        if md is None:
+            if strict:
+                raise ValueError(f"load: the checkpoint has no value for {fqn!r}")
+            continue
+        if fqn in targets:
+            targets[fqn].check(fqn, md)
+        elif _on_device(v):
+            _Target(v).check(fqn, md)
+        elif isinstance(v, torch.Tensor):
+            if not isinstance(md, TensorStorageMetadata) or tuple(md.size) != tuple(v.shape):
+                got = tuple(md.size) if isinstance(md, TensorStorageMetadata) else "no tensor"
+                raise ValueError(
+                    f"load: CPU tensor {fqn!r} of shape {tuple(v.shape)}: the checkpoint has "
+                    f"{got}; nothing was loaded"
+                )
+
+
+def check_state_dict(state_dict, metadata, strict=True):
+    """:func:`check_shapes` of a nested state dict (before a load changes anything)."""
+    flat, _ = flatten_state_dict(state_dict)
+    check_shapes(flat, metadata, strict)
+
+
+# Everything a DCP .metadata pickle names (Note [Sharded checkpoints], weights_only): its
+# dataclasses, torch.Size, dtypes, layouts (by name) and the checkpoint id's path type. No
+# function that acts on the world is reachable through them.
+_DCP_MD = "torch.distributed.checkpoint.metadata"
+_SAFE = {
+    (_DCP_MD, "Metadata"),
+    (_DCP_MD, "StorageMeta"),
+    (_DCP_MD, "MetadataIndex"),
+    (_DCP_MD, "TensorStorageMetadata"),
+    (_DCP_MD, "BytesStorageMetadata"),
+    (_DCP_MD, "ChunkStorageMetadata"),
+    (_DCP_MD, "TensorProperties"),
+    (_DCP_MD, "_MEM_FORMAT_ENCODING"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.serialization", "_get_layout"),
+    ("torch", "Size"),
+    ("collections", "OrderedDict"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PureWindowsPath"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if (module, name) in _SAFE:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"checkpoint metadata names {module}.{name}, which is not one of DCP's metadata "
+            "classes; refusing to unpickle it (weights_only)"
+        )
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """``FileSystemReader`` whose metadata read builds only DCP's metadata classes."""
+
+    def read_metadata(self, *args, **kwargs):
+        rank = kwargs.get("rank")
+        name = ".metadata" if rank is None else f"__{rank}.metadata"
+        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
