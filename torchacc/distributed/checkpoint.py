@@ -44,7 +44,6 @@ import pickle
 
 import jax
 import ml_dtypes
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
@@ -103,7 +102,10 @@ def _layout(array):
     s = array.sharding
     if isinstance(s, jax.sharding.NamedSharding):
         return f"partition spec {tuple(s.spec)} on mesh {dict(s.mesh.shape)}"
-    return f"unsharded on {sorted(d.id for d in s.device_set)}"
+    devices = sorted(d.id for d in s.device_set)
+    if len(devices) == 1:
+        return f"unsharded on device {devices[0]}"
+    return f"sharding {s._to_xla_hlo_sharding(array.ndim)} over devices {devices}"
 
 
 class Shards:
@@ -162,6 +164,29 @@ def snapshot(state_dict):
         else:
             out[k] = copy.deepcopy(v)
     return out
+
+
+def prime_optimizer(optimizer):
+    """Create ``optimizer``'s state so that a checkpoint can be loaded into it in place: one
+    step with zero gradients, each laid out like its parameter (so the state gets the sharding
+    training gives it). The step changes the parameters (weight decay), so call it only right
+    before restoring a checkpoint that overwrites them."""
+    from torchacc.distributed import sharding
+    from torchacc.engine.execute import sync
+
+    sync()
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            p.grad = torch.zeros_like(p)
+            s = sharding.sharding_of(p)
+            if sharding.is_spmd() and isinstance(s, jax.sharding.NamedSharding):
+                sharding.mark(p.grad, s, "prime_optimizer")
+    optimizer.step()
+    optimizer.zero_grad()
+    sync()
+    return optimizer
 
 
 def _check_job():

@@ -24,6 +24,7 @@ import os
 import shutil
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor, wait
 
 import torch.distributed as dist
@@ -59,7 +60,9 @@ class CheckpointManager:
         chkpt_on_preemption=False,
     ):
         if not isinstance(save_interval, int) or save_interval <= 0:
-            raise ValueError(f"CheckpointManager: save_interval must be positive, got {save_interval!r}")
+            raise ValueError(
+                f"CheckpointManager: save_interval must be positive, got {save_interval!r}"
+            )
         if max_to_keep is None or max_to_keep < 0:
             raise ValueError(f"CheckpointManager: max_to_keep must be >= 0, got {max_to_keep!r}")
         if max_pending_async is None or max_pending_async <= 0:
@@ -99,6 +102,12 @@ class CheckpointManager:
         if _distributed():
             return {"process_group": self.pg}
         return {"no_dist": True}
+
+    def _dcp(self, call, state_dict, **kwargs):
+        """``dcp.save``/``dcp.load`` over the job (one process: no process group, quietly)."""
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "torch.distributed is disabled")
+            call(state_dict, **kwargs, **self._dcp_kwargs())
 
     # -- tracked checkpoints ---------------------------------------------------------------
 
@@ -148,11 +157,11 @@ class CheckpointManager:
             if self._rank() == 0 and os.path.exists(tmp):
                 shutil.rmtree(tmp)
             self._barrier()
-            dcp.save(
+            self._dcp(
+                dcp.save,
                 state_dict,
                 storage_writer=dcp.FileSystemWriter(tmp, thread_count=self.num_of_threads),
                 planner=engine.SPMDSavePlanner(),
-                **self._dcp_kwargs(),
             )
             if self._rank() == 0:
                 _commit(tmp, self._path(step), step)
@@ -209,11 +218,11 @@ class CheckpointManager:
         path = self._path(step)
         reader = engine.SafeFileSystemReader(path)
         engine.check_state_dict(state_dict, reader.read_metadata())
-        dcp.load(
+        self._dcp(
+            dcp.load,
             state_dict,
             storage_reader=engine.SafeFileSystemReader(path),
             planner=engine.SPMDLoadPlanner(),
-            **self._dcp_kwargs(),
         )
 
 
