@@ -136,13 +136,25 @@ def test_restore_into_the_same_mesh_is_bit_identical_and_trains_on(saved):
 
 
 def test_front_door_dcp_save_and_load(saved, tmp_path):
+    import torch_xla.distributed.spmd as xs
+
     sd = state(saved.tp, saved.fsdp, saved.opt)
+    half = torch.randn(8, 4).to(torch.bfloat16)
+    sd["extra"] = {
+        "bf16": xs.mark_sharding(half.to(DEV), TP_MESH, ("data", "model")).global_tensor,
+        "pending": saved.tp[0].weight * 2,  # not computed yet: the planner runs the step
+    }
     ref = host_copy(sd)
+    assert torch.equal(ref["extra.bf16"], half)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path)), planner=SPMDSavePlanner())
     tp, fsdp, opt = _fresh(seed=8)
     target = state(tp, fsdp, opt)
+    bf16 = torch.zeros(8, 4, dtype=torch.bfloat16).to(DEV)
+    xs.mark_sharding(bf16, TP_MESH, (None, ("data", "model")))  # another layout
+    target["extra"] = {"bf16": bf16, "pending": torch.zeros(32, 16)}  # and a CPU tensor
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path)), planner=SPMDLoadPlanner())
     assert_equal(target, ref)
+    assert bf16.dtype == torch.bfloat16
     opt.opts[0].load_state_dict(target["opt_tp"])  # param groups came back as plain values
     assert opt.opts[0].param_groups[0]["lr"] == 1e-2
 
