@@ -73,7 +73,7 @@ same = equal(target, ref)
 tp3, fsdp3, opts3 = build(DEV, TP_MESH, FSDP_MESH, seed=4, tp_dim0=None)
 prime(opts3, prime_optimizer)
 target = state(tp3, fsdp3, opts3)
-for k, v in list(target["opt_fsdp"]["state"].items()):
+for v in target["opt_fsdp"]["state"].values():
     for name in ("exp_avg", "exp_avg_sq"):
         v[name] = torch.zeros(v[name].shape).to(DEV)
 mgr.restore(1, target)
