@@ -266,3 +266,18 @@ def test_loading_is_weights_only(saved, tmp_path):
     with pytest.raises(CheckpointException, match="Unsupported global|weights_only"):
         dcp.load(target, storage_reader=SafeFileSystemReader(str(plain)), planner=SPMDLoadPlanner())
     assert target["obj"] is None
+
+
+def test_manager_arguments_and_incomplete_directories(tmp_path):
+    with pytest.raises(ValueError, match="save_interval must be positive, got 0"):
+        CheckpointManager(str(tmp_path), 0)
+    with pytest.raises(ValueError, match="max_to_keep must be >= 0, got -1"):
+        CheckpointManager(str(tmp_path), 1, max_to_keep=-1)
+    with pytest.raises(NotImplementedError, match="preemption"):
+        CheckpointManager(str(tmp_path), 1, chkpt_on_preemption=True)
+    (tmp_path / "7").mkdir()  # no metadata: not a checkpoint
+    (tmp_path / "8").mkdir()
+    (tmp_path / "8" / ".manager_metadata").write_text('{"step": 8, "ts": 0}')  # no .metadata
+    mgr = CheckpointManager(str(tmp_path), 1)
+    assert mgr.all_steps() == []
+    assert mgr.should_save(3) and not CheckpointManager(str(tmp_path), 2).should_save(3)

@@ -146,6 +146,13 @@ class CheckpointManager:
 
     # -- saving ----------------------------------------------------------------------------
 
+    def reached_preemption(self, step):
+        """torch_xla's preemption sync point: not available (see the class docstring)."""
+        raise NotImplementedError(
+            "CheckpointManager.reached_preemption: torchacc has no preemption sync point "
+            "(chkpt_on_preemption is not supported)"
+        )
+
     def should_save(self, step):
         """Whether ``step`` is a checkpoint step (a multiple of ``save_interval``)."""
         return step % self.save_interval == 0
