@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import filesystem as dcp_fs
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
@@ -185,6 +186,26 @@ def test_shape_mismatch_raises_before_changing_anything(saved):
     assert_equal(sd, before)
     with pytest.raises(ValueError, match=r"no checkpoint of step 11.*\[10\]"):
         saved.mgr.restore(11, sd)
+
+
+def test_a_corrupt_checkpoint_changes_no_device_tensor(saved, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(os.path.join(CKPT, "mgr", "10"), broken)
+    (data,) = [f for f in os.listdir(broken) if f.endswith(".distcp")]
+    size = os.path.getsize(broken / data)
+    with open(broken / data, "r+b") as f:
+        f.truncate(size * 2 // 3)  # the last third of the blocks is gone
+    tp, fsdp, opt = _fresh(seed=12)
+    sd = state(tp, fsdp, opt)
+    flat, _ = flatten_state_dict(sd)
+    on_device = {k: v for k, v in flat.items() if getattr(v, "device", None) == DEV}
+    assert len(on_device) == 24  # 8 parameters and their AdamW moments
+    before = {k: v.cpu() for k, v in on_device.items()}
+    with pytest.raises(CheckpointException):
+        dcp.load(sd, storage_reader=SafeFileSystemReader(str(broken)), planner=SPMDLoadPlanner())
+    # the reads that succeeded were not installed: every device tensor is as it was
+    for k, v in on_device.items():
+        assert torch.equal(v.cpu(), before[k]), k
 
 
 def test_crash_mid_save_keeps_the_previous_checkpoint(saved, monkeypatch):
