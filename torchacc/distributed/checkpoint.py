@@ -24,9 +24,11 @@ DCP (``create_read_items_for_chunk_list``) compute which parts of which saved ch
 them -- that is the resharding (4 devices -> 2, sharded -> replicated, ...). The blocks are
 filled on the host, then each tensor gets a new global array with its current sharding
 (``jax.make_array_from_callback``) installed as a data value, like a host-to-device copy.
-Shapes are checked against the checkpoint before anything is read, and the new arrays are
-installed only once *every* torchacc tensor's reads are complete: a bad checkpoint raises and
-leaves the device state as it was.
+Shapes are checked against the checkpoint before anything is read. A tensor's new array is
+installed when its last block is read (torch_xla's behaviour; one tensor's blocks on the host
+at a time), or, with ``all_or_nothing`` (``CheckpointManager.restore``), once *every* torchacc
+tensor's reads are complete: a bad checkpoint then raises and leaves the device state as it
+was.
 
 ``weights_only``: DCP reads tensor data with ``torch.load(weights_only=True)``, but its
 ``FileSystemReader`` unpickles the ``.metadata`` file with plain ``pickle`` and the default
@@ -110,42 +112,60 @@ def _layout(array):
 
 class Shards:
     """The blocks of one tensor this process writes: ``pieces`` maps a block's offsets to
-    ``(sizes, data)``, data a single-device jax array (read when written) or a CPU tensor."""
+    ``(sizes, data, hint)``, data a single-device jax array (read when written) or a CPU tensor,
+    hint the block's position among the tensor's local shards (torch_xla's write item index).
+    ``replicated``: the tensor is whole on every device (one block)."""
 
-    def __init__(self, shape, dtype, pieces):
+    def __init__(self, shape, dtype, pieces, replicated=False):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.pieces = pieces
+        self.replicated = replicated
 
     def read(self, offsets):
         from torchacc.engine.transfer import read
 
-        sizes, data = self.pieces[tuple(offsets)]
+        sizes, data, _ = self.pieces[tuple(offsets)]
         if isinstance(data, torch.Tensor):
             return data
         return read(data, self.dtype).reshape(sizes)
 
     def on_host(self):
         """A copy whose blocks are CPU tensors (the device buffers may be donated later)."""
-        return Shards(
-            self.shape, self.dtype, {o: (s, self.read(o)) for o, (s, _) in self.pieces.items()}
-        )
+        pieces = {o: (s, self.read(o), h) for o, (s, _, h) in self.pieces.items()}
+        return Shards(self.shape, self.dtype, pieces, self.replicated)
 
     def __repr__(self):
         return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
 
 
+def _checked_array(t):
+    array = _computed_array(t)
+    if tuple(array.shape) != tuple(t.shape):
+        raise NotImplementedError(
+            f"distributed checkpoint: tensor of shape {tuple(t.shape)} is held padded to "
+            f"{tuple(array.shape)} ({_layout(array)}); padded shards are not supported yet"
+        )
+    return array
+
+
+def is_sharded(t):
+    """Whether torchacc tensor ``t`` is split over devices (not whole on each of them)."""
+    return not _checked_array(t).sharding.is_fully_replicated
+
+
 def unique_shards(t):
     """``t``'s blocks that this process writes: its shards with replica id 0 (Note [Sharded
     checkpoints]); the data stays on the device until :meth:`Shards.read`."""
-    array = _computed_array(t)
+    array = _checked_array(t)
     shape = tuple(t.shape)
     pieces = {}
-    for s in array.addressable_shards:
+    local = sorted(array.addressable_shards, key=lambda s: s.device.id)
+    for hint, s in enumerate(local):
         if s.replica_id == 0:
             offsets, sizes = _block(s.index, shape)
-            pieces[offsets] = (sizes, s.data)
-    return Shards(shape, t.dtype, pieces)
+            pieces[offsets] = (sizes, s.data, hint)
+    return Shards(shape, t.dtype, pieces, array.sharding.is_fully_replicated)
 
 
 def snapshot(state_dict):
@@ -189,6 +209,20 @@ def prime_optimizer(optimizer):
     return optimizer
 
 
+def host_state_dict(state_dict):
+    """``state_dict`` (nested) with every torchacc tensor on the host: a sharded one as the
+    :class:`Shards` of this process's unique blocks, a replicated one as a CPU tensor
+    (torch_xla's ``_sharded_cpu_state_dict``)."""
+    from torch.utils._pytree import tree_map
+
+    def to_host(v):
+        if not _on_device(v):
+            return v
+        return unique_shards(v).on_host() if is_sharded(v) else v.detach().cpu()
+
+    return tree_map(to_host, state_dict)
+
+
 def _check_job():
     if jax.process_count() > 1 and not (dist.is_available() and dist.is_initialized()):
         raise ValueError(
@@ -199,9 +233,9 @@ def _check_job():
         )
 
 
-def _write_item(fqn, shards, offsets, sizes):
+def _write_item(fqn, shards, offsets, sizes, hint):
     return WriteItem(
-        index=MetadataIndex(fqn, offsets),
+        index=MetadataIndex(fqn, offsets, hint),
         type=WriteItemType.SHARD,
         tensor_data=TensorWriteData(
             chunk=ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes)),
@@ -220,6 +254,8 @@ class SPMDSavePlanner(DefaultSavePlanner):
         self.shards: dict = {}
 
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
+        if isinstance(storage_meta, bool):  # torch_xla's set_up_planner(state_dict, coordinator)
+            storage_meta, is_coordinator = None, storage_meta
         _check_job()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.shards, rest = {}, {}
@@ -232,12 +268,22 @@ class SPMDSavePlanner(DefaultSavePlanner):
                 rest[k] = v
         self.state_dict = rest
 
+    @property
+    def sharded_state_dict(self):
+        """torch_xla's view: the entries split over devices (the rest is unsharded)."""
+        return {k: v for k, v in self.shards.items() if not v.replicated}
+
+    @property
+    def unsharded_state_dict(self):
+        replicated = {k: v for k, v in self.shards.items() if v.replicated}
+        return {**self.state_dict, **replicated}
+
     def create_local_plan(self):
         plan = super().create_local_plan()
         items = [
-            _write_item(fqn, shards, offsets, sizes)
+            _write_item(fqn, shards, offsets, sizes, hint)
             for fqn, shards in self.shards.items()
-            for offsets, (sizes, _) in shards.pieces.items()
+            for offsets, (sizes, _, hint) in shards.pieces.items()
         ]
         self.plan = dataclasses.replace(plan, items=plan.items + items)
         return self.plan
@@ -261,7 +307,8 @@ class _Target:
 
     def __init__(self, t):
         self.tensor = t
-        self.array = _computed_array(t)
+        self.array = _checked_array(t)
+        self.replicated = self.array.sharding.is_fully_replicated
         self.shape = tuple(t.shape)
         index_map = self.array.sharding.addressable_devices_indices_map(self.shape)
         blocks = {}
@@ -271,6 +318,7 @@ class _Target:
         self.offsets = sorted(blocks)
         self.sizes = [blocks[o] for o in self.offsets]
         self.buffers: dict = {}
+        self.left = 0  # elements still to read
 
     def chunks(self):
         return [
@@ -320,6 +368,7 @@ def install(targets):
     for tg, array in arrays:
         t = tg.tensor
         assign(t, Value(contiguous_desc(tg.shape, t.dtype), array=array))
+        tg.buffers = {}
     if arrays:
         known.spoil("a checkpoint was loaded")
 
@@ -327,13 +376,32 @@ def install(targets):
 class SPMDLoadPlanner(DefaultLoadPlanner):
     """DCP load planner for state dicts holding (sharded) torchacc tensors: each tensor is
     loaded in place with the sharding it has now, whatever the saved layout (Note [Sharded
-    checkpoints]); other values as DCP's default, non-tensor values with ``weights_only``."""
+    checkpoints]); other values as DCP's default, non-tensor values with ``weights_only``.
+
+    A tensor gets its new data as soon as all of its blocks are read (as torch_xla's planner);
+    with ``all_or_nothing=True`` no torchacc tensor changes until every one of them is read (a
+    failing read leaves them all as they were; this process's share of the state is held on
+    the host meanwhile). ``CheckpointManager.restore`` uses ``all_or_nothing``."""
+
+    def __init__(self, *args, all_or_nothing=False, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.all_or_nothing = all_or_nothing
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
         _check_job()
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self.targets = {k: _Target(v) for k, v in self.state_dict.items() if _on_device(v)}
         self.pending = 0
+
+    @property
+    def sharded_state_dict(self):
+        """torch_xla's view: the targets split over devices (the rest is unsharded)."""
+        return {k: t.tensor for k, t in self.targets.items() if not t.replicated}
+
+    @property
+    def unsharded_state_dict(self):
+        sharded = self.sharded_state_dict
+        return {k: v for k, v in self.state_dict.items() if k not in sharded}
 
     def create_local_plan(self):
         if self.metadata is None:
@@ -348,7 +416,8 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
             if md is None or target.numel() == 0:
                 continue
             items += create_read_items_for_chunk_list(fqn, md, target.chunks())
-            self.pending += target.numel()
+            target.left = target.numel()
+            self.pending += target.left
         return LoadPlan(items, planner_data=plan.planner_data)
 
     def lookup_tensor(self, index):
@@ -358,12 +427,17 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
         return target.buffer(index)
 
     def commit_tensor(self, read_item, tensor):
-        if read_item.dest_index.fqn not in self.targets:
+        target = self.targets.get(read_item.dest_index.fqn)
+        if target is None:
             return
-        self.pending -= math.prod(read_item.lengths)
-        if self.pending < 0:
+        n = math.prod(read_item.lengths)
+        target.left -= n
+        self.pending -= n
+        if target.left < 0:
             raise RuntimeError(f"SPMDLoadPlanner: more data read than asked for {read_item}")
-        if self.pending == 0:
+        if not self.all_or_nothing and target.left == 0:
+            install([target])
+        elif self.all_or_nothing and self.pending == 0:
             install([t for t in self.targets.values() if t.buffers])
 
     def load_bytes(self, read_item, value):

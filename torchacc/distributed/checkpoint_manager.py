@@ -216,7 +216,8 @@ class CheckpointManager:
     def restore(self, step, state_dict):
         """Load the checkpoint of ``step`` into ``state_dict`` in place (torchacc tensors keep
         their current sharding). Raises a ``ValueError`` naming the tensor, before anything is
-        changed, if a shape differs from the checkpoint's."""
+        changed, if a shape differs from the checkpoint's; a read that fails leaves every
+        torchacc tensor as it was (``SPMDLoadPlanner(all_or_nothing=True)``)."""
         if step not in self._tracked:
             raise ValueError(
                 f"CheckpointManager.restore: no checkpoint of step {step} in {self.base_path} "
@@ -229,7 +230,7 @@ class CheckpointManager:
             dcp.load,
             state_dict,
             storage_reader=engine.SafeFileSystemReader(path),
-            planner=engine.SPMDLoadPlanner(),
+            planner=engine.SPMDLoadPlanner(all_or_nothing=True),
         )
 
 
