@@ -31,6 +31,7 @@ from ckpt_models import (  # noqa: E402
     host_copy,
     mesh,
     prime,
+    spec_of,
     specs,
     state,
     step,
@@ -39,6 +40,7 @@ from ckpt_models import (  # noqa: E402
 import torchacc  # noqa: E402
 import torchacc.alias  # noqa: E402, F401
 import torchacc.torch_xla.runtime as xr  # noqa: E402
+from torchacc.lazy.record import value_of  # noqa: E402
 
 xr.use_spmd()
 DEV = torchacc.device()
@@ -141,20 +143,42 @@ def test_front_door_dcp_save_and_load(saved, tmp_path):
 
     sd = state(saved.tp, saved.fsdp, saved.opt)
     half = torch.randn(8, 4).to(torch.bfloat16)
+    rows = torch.randn(50, 6)  # 4 devices do not divide 50 rows: padded to 52
     sd["extra"] = {
         "bf16": xs.mark_sharding(half.to(DEV), TP_MESH, ("data", "model")).global_tensor,
         "pending": saved.tp[0].weight * 2,  # not computed yet: the planner runs the step
+        "padded": xs.mark_sharding(rows.to(DEV), FSDP_MESH, ("fsdp", None)).global_tensor,
+        "to_pad": rows.t().contiguous().to(DEV),  # replicated
     }
+    assert tuple(value_of(sd["extra"]["padded"]).buf.shape) == (52, 6)
     ref = host_copy(sd)
     assert torch.equal(ref["extra.bf16"], half)
     dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(tmp_path)), planner=SPMDSavePlanner())
+    md = SafeFileSystemReader(str(tmp_path)).read_metadata().state_dict_metadata["extra.padded"]
+    assert [(c.offsets[0], c.sizes[0]) for c in md.chunks] == [
+        (0, 13),
+        (13, 13),
+        (26, 13),
+        (39, 11),
+    ]
     tp, fsdp, opt = _fresh(seed=8)
     target = state(tp, fsdp, opt)
     bf16 = torch.zeros(8, 4, dtype=torch.bfloat16).to(DEV)
     xs.mark_sharding(bf16, TP_MESH, (None, ("data", "model")))  # another layout
-    target["extra"] = {"bf16": bf16, "pending": torch.zeros(32, 16)}  # and a CPU tensor
+    to_pad = torch.zeros(6, 50).to(DEV)
+    xs.mark_sharding(to_pad, FSDP_MESH, (None, "fsdp"))  # padded to 52 columns
+    target["extra"] = {
+        "bf16": bf16,
+        "pending": torch.zeros(32, 16),  # a CPU tensor
+        "padded": xs.mark_sharding(torch.zeros(50, 6).to(DEV), TP_MESH, ("model", None)),
+        "to_pad": to_pad,
+    }
+    target["extra"]["padded"] = target["extra"]["padded"].global_tensor
     dcp.load(target, storage_reader=dcp.FileSystemReader(str(tmp_path)), planner=SPMDLoadPlanner())
     assert_equal(target, ref)
+    assert tuple(value_of(to_pad).buf.shape) == (6, 52)  # still padded, its zeros included
+    assert spec_of(to_pad)[3] == ((0, 6), (39, 52))
+    assert torch.equal((to_pad * 2).cpu(), ref["extra.to_pad"] * 2)  # and usable in a step
     assert bf16.dtype == torch.bfloat16
     opt.opts[0].load_state_dict(target["opt_tp"])  # param groups came back as plain values
     assert opt.opts[0].param_groups[0]["lr"] == 1e-2

@@ -7,6 +7,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 import torchacc
 import torchacc.torch_xla.distributed.spmd as xs
 from torchacc.distributed import sharding as engine
+from torchacc.lazy.record import value_of
 from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (
     SpmdFullyShardedDataParallel as FSDPv2,
 )
@@ -87,11 +88,12 @@ def assert_close(sd, ref, tol=1e-6):
 
 
 def spec_of(t):
-    """Which block of ``t`` each device holds: ``{device id: ((start, stop), ...)}``."""
+    """Which block of ``t``'s array each device holds: ``{device id: ((start, stop), ...)}``."""
     s = engine.sharding_of(t)
     if s is None:
         return None
-    shape = tuple(t.shape)
+    buf = value_of(t).buf
+    shape = tuple(getattr(buf, "shape", t.shape))  # padded where the layout needs it
     return {
         d.id: tuple(sl.indices(n)[:2] for sl, n in zip(index, shape))
         for d, index in s.devices_indices_map(shape).items()

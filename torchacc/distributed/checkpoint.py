@@ -16,7 +16,9 @@ replicated on another.) Each block is a DCP ``SHARD`` write item whose chunk is 
 offsets and sizes in the global tensor, so the checkpoint is plain DCP: any DCP reader (or
 ``torch.distributed.checkpoint.format_utils``) reads it, and the files hold tensors only. A
 replicated tensor (or one on the one-device-per-process device) is the same case with one block.
-Plain CPU tensors and other objects go through DCP's default path.
+A padded array (Note [Padded shards] in program/sharding.py) is cut to the tensor's logical
+shape: chunks never hold padding, and loading pads the new array with zeros as its layout
+needs. Plain CPU tensors and other objects go through DCP's default path.
 
 Loading never assumes the saved layout: for every torchacc tensor in the target state dict, the
 planner lists the distinct blocks its *current* sharding puts on this process's devices and lets
@@ -46,6 +48,7 @@ import pickle
 
 import jax
 import ml_dtypes
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemReader
@@ -77,18 +80,22 @@ def _on_device(x):
     return isinstance(x, torch.Tensor) and x.device.type == "torchacc"
 
 
-def _block(index, shape):
-    """(offsets, sizes) of a shard's index (a tuple of slices) into a tensor of ``shape``."""
+def _block(index, padded, shape):
+    """(offsets, sizes) in a tensor of logical ``shape`` of a shard's index (a tuple of slices)
+    into its array of shape ``padded``: the padding at the end is cut off (Note [Padded
+    shards] in program/sharding.py), so a block of padding only has a size 0."""
     offsets, sizes = [], []
-    for sl, n in zip(index, shape):
-        start, stop, _ = sl.indices(n)
+    for sl, p, n in zip(index, padded, shape):
+        start, stop, _ = sl.indices(p)
+        start, stop = min(start, n), min(stop, n)
         offsets.append(start)
         sizes.append(stop - start)
     return tuple(offsets), tuple(sizes)
 
 
-def _computed_array(t):
-    """The global jax array holding ``t`` (computes ``t`` first if it is pending)."""
+def _device_array(t):
+    """The global jax array holding ``t``, padded where its layout needs it (computes ``t``
+    first if it is pending)."""
     from torchacc.engine.execute import sync
     from torchacc.lazy.record import value_of
 
@@ -96,7 +103,7 @@ def _computed_array(t):
     if value.node is not None:
         sync()
         value = value_of(t)
-    return value.array
+    return value.buf if isinstance(value.buf, jax.Array) else value.array
 
 
 def _layout(array):
@@ -128,7 +135,10 @@ class Shards:
         sizes, data, _ = self.pieces[tuple(offsets)]
         if isinstance(data, torch.Tensor):
             return data
-        return read(data, self.dtype).reshape(sizes)
+        host = read(data, self.dtype)
+        if tuple(host.shape) != sizes:  # a padded block: its logical part, in its own storage
+            host = host[tuple(slice(0, n) for n in sizes)].clone()
+        return host
 
     def on_host(self):
         """A copy whose blocks are CPU tensors (the device buffers may be donated later)."""
@@ -139,32 +149,23 @@ class Shards:
         return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
 
 
-def _checked_array(t):
-    array = _computed_array(t)
-    if tuple(array.shape) != tuple(t.shape):
-        raise NotImplementedError(
-            f"distributed checkpoint: tensor of shape {tuple(t.shape)} is held padded to "
-            f"{tuple(array.shape)} ({_layout(array)}); padded shards are not supported yet"
-        )
-    return array
-
-
 def is_sharded(t):
     """Whether torchacc tensor ``t`` is split over devices (not whole on each of them)."""
-    return not _checked_array(t).sharding.is_fully_replicated
+    return not _device_array(t).sharding.is_fully_replicated
 
 
 def unique_shards(t):
     """``t``'s blocks that this process writes: its shards with replica id 0 (Note [Sharded
     checkpoints]); the data stays on the device until :meth:`Shards.read`."""
-    array = _checked_array(t)
+    array = _device_array(t)
     shape = tuple(t.shape)
     pieces = {}
     local = sorted(array.addressable_shards, key=lambda s: s.device.id)
     for hint, s in enumerate(local):
         if s.replica_id == 0:
-            offsets, sizes = _block(s.index, shape)
-            pieces[offsets] = (sizes, s.data, hint)
+            offsets, sizes = _block(s.index, array.shape, shape)
+            if 0 not in sizes or math.prod(shape) == 0:  # not a block of padding only
+                pieces[offsets] = (sizes, s.data, hint)
     return Shards(shape, t.dtype, pieces, array.sharding.is_fully_replicated)
 
 
@@ -307,14 +308,16 @@ class _Target:
 
     def __init__(self, t):
         self.tensor = t
-        self.array = _checked_array(t)
+        self.array = _device_array(t)  # padded where the layout needs it
         self.replicated = self.array.sharding.is_fully_replicated
         self.shape = tuple(t.shape)
-        index_map = self.array.sharding.addressable_devices_indices_map(self.shape)
+        self.padded = tuple(self.array.shape)
+        index_map = self.array.sharding.addressable_devices_indices_map(self.padded)
         blocks = {}
         for index in index_map.values():
-            offsets, sizes = _block(index, self.shape)
-            blocks.setdefault(offsets, sizes)
+            offsets, sizes = _block(index, self.padded, self.shape)
+            if 0 not in sizes:
+                blocks.setdefault(offsets, sizes)
         self.offsets = sorted(blocks)
         self.sizes = [blocks[o] for o in self.offsets]
         self.buffers: dict = {}
@@ -339,13 +342,24 @@ class _Target:
         return buf
 
     def build(self):
-        """A global array of the loaded data with the tensor's current sharding."""
+        """A global array of the loaded data with the tensor's current sharding, padded with
+        zeros as its array was (Note [Padded shards] in program/sharding.py)."""
         by_offsets = {o: self.buffers[i] for i, o in enumerate(self.offsets)}
+        dtype = _numpy(torch.empty(0, dtype=self.tensor.dtype)).dtype
 
         def block(index):
-            return _numpy(by_offsets[_block(index, self.shape)[0]])
+            offsets, sizes = _block(index, self.padded, self.shape)
+            full = tuple(sl.indices(p)[1] - sl.indices(p)[0] for sl, p in zip(index, self.padded))
+            if 0 not in sizes:
+                data = _numpy(by_offsets[offsets])
+                if tuple(data.shape) == full:
+                    return data
+            out = np.zeros(full, dtype)  # padding only, or a block with padding at its end
+            if 0 not in sizes:
+                out[tuple(slice(0, n) for n in sizes)] = data
+            return out
 
-        return jax.make_array_from_callback(self.shape, self.array.sharding, block)
+        return jax.make_array_from_callback(self.padded, self.array.sharding, block)
 
     def check(self, fqn, md):
         where = f"tensor {fqn!r} of shape {self.shape} ({_layout(self.array)})"
