@@ -34,8 +34,9 @@ was.
 
 ``weights_only``: DCP reads tensor data with ``torch.load(weights_only=True)``, but its
 ``FileSystemReader`` unpickles the ``.metadata`` file with plain ``pickle`` and the default
-planner loads non-tensor values with ``weights_only=False``. ``SafeFileSystemReader`` reads
-metadata with an unpickler that only builds DCP's metadata classes, and ``SPMDLoadPlanner`` loads
+planner loads non-tensor values with ``weights_only=False``. ``SafeFileSystemReader``
+(``checkpoint_metadata.py``) reads metadata with an unpickler that only builds DCP's metadata
+classes, and ``SPMDLoadPlanner`` loads
 non-tensor values with ``weights_only=True``; ``CheckpointManager.restore`` uses both.
 """
 
@@ -44,14 +45,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-import pickle
 
 import jax
 import ml_dtypes
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import (
@@ -63,7 +62,6 @@ from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
     MetadataIndex,
-    StorageMeta,
     TensorProperties,
     TensorStorageMetadata,
 )
@@ -74,6 +72,21 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from torchacc.distributed.checkpoint_metadata import SafeFileSystemReader
+
+__all__ = [
+    "SPMDLoadPlanner",
+    "SPMDSavePlanner",
+    "SafeFileSystemReader",
+    "Shards",
+    "check_state_dict",
+    "host_state_dict",
+    "is_sharded",
+    "prime_optimizer",
+    "snapshot",
+    "unique_shards",
+]
 
 
 def _on_device(x):
@@ -491,53 +504,3 @@ def check_state_dict(state_dict, metadata, strict=True):
     """:func:`check_shapes` of a nested state dict (before a load changes anything)."""
     flat, _ = flatten_state_dict(state_dict)
     check_shapes(flat, metadata, strict)
-
-
-# Everything a DCP .metadata pickle names (Note [Sharded checkpoints], weights_only): its
-# dataclasses, torch.Size, dtypes, layouts (by name) and the checkpoint id's path type. No
-# function that acts on the world is reachable through them.
-_DCP_MD = "torch.distributed.checkpoint.metadata"
-_SAFE = {
-    (_DCP_MD, "Metadata"),
-    (_DCP_MD, "StorageMeta"),
-    (_DCP_MD, "MetadataIndex"),
-    (_DCP_MD, "TensorStorageMetadata"),
-    (_DCP_MD, "BytesStorageMetadata"),
-    (_DCP_MD, "ChunkStorageMetadata"),
-    (_DCP_MD, "TensorProperties"),
-    (_DCP_MD, "_MEM_FORMAT_ENCODING"),
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch.serialization", "_get_layout"),
-    ("torch", "Size"),
-    ("collections", "OrderedDict"),
-    ("pathlib", "PosixPath"),
-    ("pathlib", "PurePosixPath"),
-    ("pathlib", "WindowsPath"),
-    ("pathlib", "PureWindowsPath"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        if (module, name) in _SAFE:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(
-            f"checkpoint metadata names {module}.{name}, which is not one of DCP's metadata "
-            "classes; refusing to unpickle it (weights_only)"
-        )
-
-
-class SafeFileSystemReader(FileSystemReader):
-    """``FileSystemReader`` whose metadata read builds only DCP's metadata classes."""
-
-    def read_metadata(self, *args, **kwargs):
-        rank = kwargs.get("rank")
-        name = ".metadata" if rank is None else f"__{rank}.metadata"
-        with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
