@@ -79,14 +79,6 @@ def assert_equal(sd, ref):
         assert torch.equal(v.detach().cpu(), ref[k]), k
 
 
-def assert_close(sd, ref, tol=1e-6):
-    flat, _ = flatten_state_dict(sd)
-    for k, v in flat.items():
-        if isinstance(v, torch.Tensor):
-            err = (v.detach().cpu().double() - ref[k].double()).abs().max().item()
-            assert err <= tol, (k, err)
-
-
 def spec_of(t):
     """Which block of ``t``'s array each device holds: ``{device id: ((start, stop), ...)}``."""
     s = engine.sharding_of(t)
