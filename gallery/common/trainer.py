@@ -58,7 +58,6 @@ from gallery.common.checkpoint import (
 )
 from gallery.common.data import EpochBatches
 from gallery.common.launchlib import torchacc_launch
-from gallery.common.observe import RunBoard, StepProfiler
 from gallery.common.logger import (
     create_logger,
     enable_torchacc_compiler,
@@ -70,6 +69,7 @@ from gallery.common.logger import (
     reset_peak_memory_fn,
     set_peak_memory_fn,
 )
+from gallery.common.observe import RunBoard, StepProfiler
 
 _launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
 LAUNCH_ONLY, find_free_port = _launch.LAUNCH_ONLY, _launch.find_free_port
