@@ -189,6 +189,7 @@ def compiler_runs(tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.xdist_group("observe_compiler_runs")  # one fixture run for both tests
 def test_compiler_path_scalars_match_the_run_and_cost_no_device_read(compiler_runs):
     tb, (m, counters, stdout), (m_off, counters_off, _) = compiler_runs
     scalars, acc = read_tensorboard(tb)
@@ -232,6 +233,7 @@ def test_compiler_path_scalars_match_the_run_and_cost_no_device_read(compiler_ru
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
+@pytest.mark.xdist_group("observe_compiler_runs")  # one fixture run for both tests
 def test_profile_of_three_steps_names_program_executions_and_step_regions(compiler_runs):
     tb, (m, _, stdout), _ = compiler_runs
     runs = glob.glob(str(tb / "plugins" / "profile" / "*"))
