@@ -6,10 +6,14 @@
 Each repeat runs the launcher twice in place (``benchmarks/_worker.py``, one process; the order of
 the pair alternates between repeats so that drift hits both alike), once plain and once with
 ``--tensorboard``, and reads from each: the steady step time of the ``[summary]`` (warm-up
-excluded), the ``TransferFromDevice`` counter (device reads) and the losses. Reported: the median
-over repeats of each pair's step-time ratio (with / without), its min and max, and whether the
-device reads and the losses were identical in every pair. The target is a ratio within 2% and no
-extra ``TransferFromDevice`` (Note [Observing without syncs] in gallery/common/observe.py).
+excluded), the median of its steady per-step times (robust to a load spike on a shared box), the
+``TransferFromDevice`` counter (device reads) and the losses. Reported: the median over repeats of
+each pair's ratio (with / without) for both step times, their min and max, and whether the device
+reads and the losses were identical in every pair. Then, in this process, the host time of what
+``--tensorboard`` adds at each progress line (``RunBoard.losses`` + ``RunBoard.interval`` for
+``--log_interval`` losses), median of many calls, as a share of the plain run's step time. The
+target is within 2% and no extra ``TransferFromDevice`` (Note [Observing without syncs] in
+gallery/common/observe.py).
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "benchmarks", "_worker.py")
@@ -64,28 +69,61 @@ def run_once(args, tmp: str, tag: str, tensorboard: bool) -> dict:
         result = json.load(f)
     with open(metrics) as f:
         counters = (json.load(f).get("torchacc") or {}).get("counters", {})
+    steady = result["step_times"][args.warmup :]
     return {
         "tensorboard": tensorboard,
         "step_ms": result["summary"]["steady_step_time_s"] * 1000.0,
+        "step_ms_median": statistics.median(steady) * 1000.0,
         "transfers_from_device": counters.get("TransferFromDevice"),
         "losses": result["losses"],
         "command": " ".join(["python", *cmd[1:]]),
     }
 
 
+def write_cost_ms(log_interval: int, calls: int = 300) -> float:
+    """Median host milliseconds of one progress line's TensorBoard writes (in this process)."""
+    sys.path.insert(0, ROOT)
+    from gallery.common.observe import RunBoard
+
+    with tempfile.TemporaryDirectory(prefix="observe-writes-") as tmp:
+        board = RunBoard(tmp, {"model": "gpt-tiny", "batch_size": 8})
+        steps, losses, times = [], [], []
+        for i in range(calls):
+            steps += range(i * log_interval, (i + 1) * log_interval)
+            losses += [6.0 - 1e-3 * j for j in range(log_interval)]
+            t0 = time.perf_counter()
+            board.losses(steps, losses)
+            board.interval(
+                len(steps),
+                samples_per_sec=400.0,
+                step_time_s=0.02,
+                lr=6e-4,
+                peak_mem_gib=0.8,
+                mem_source="host_rss",
+                compiles=2,
+            )
+            times.append(time.perf_counter() - t0)
+        board.close()
+    return statistics.median(times) * 1000.0
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    rows, ratios = [], []
+    rows, ratios, median_ratios = [], [], []
     with tempfile.TemporaryDirectory(prefix="observe-overhead-") as tmp:
         for r in range(args.repeats):
             order = (False, True) if r % 2 == 0 else (True, False)
             pair = {tb: run_once(args, tmp, f"r{r}.{'tb' if tb else 'plain'}", tb) for tb in order}
             ratio = pair[True]["step_ms"] / pair[False]["step_ms"]
             ratios.append(ratio)
+            median_ratios.append(pair[True]["step_ms_median"] / pair[False]["step_ms_median"])
             rows += [pair[False], pair[True]]
             print(
                 f"[observe] repeat {r + 1}/{args.repeats}: plain {pair[False]['step_ms']:.2f} "
-                f"ms/step, --tensorboard {pair[True]['step_ms']:.2f} ms/step, ratio {ratio:.4f}",
+                f"ms/step (median step {pair[False]['step_ms_median']:.2f}), --tensorboard "
+                f"{pair[True]['step_ms']:.2f} ms/step (median step "
+                f"{pair[True]['step_ms_median']:.2f}), ratio {ratio:.4f} (medians "
+                f"{median_ratios[-1]:.4f}), load {os.getloadavg()[0]:.1f}",
                 flush=True,
             )
     plain = [row for row in rows if not row["tensorboard"]]
@@ -102,18 +140,29 @@ def main(argv=None) -> int:
         "ratio_median": statistics.median(ratios),
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "plain_median_step_ms_median": statistics.median(r["step_ms_median"] for r in plain),
+        "tensorboard_median_step_ms_median": statistics.median(r["step_ms_median"] for r in tb),
+        "median_step_ratio_median": statistics.median(median_ratios),
+        "median_step_ratio_min": min(median_ratios),
+        "median_step_ratio_max": max(median_ratios),
         "same_transfers": all(
             a["transfers_from_device"] == b["transfers_from_device"] for a, b in zip(plain, tb)
         ),
         "transfers_from_device": sorted({r["transfers_from_device"] for r in rows}, key=str),
         "same_losses": all(a["losses"] == b["losses"] for a, b in zip(plain, tb)),
     }
+    cost = write_cost_ms(args.log_interval)
+    summary["writes_ms_per_log_line"] = cost
+    summary["writes_share_of_plain_step"] = (
+        cost / args.log_interval / summary["plain_median_step_ms_median"]
+    )
     print(json.dumps(summary, indent=1))
     if args.json:
         for row in rows:
             row.pop("losses")
         with open(args.json, "w") as f:
-            json.dump({"summary": summary, "ratios": ratios, "runs": rows}, f, indent=1)
+            payload = {"summary": summary, "ratios": ratios, "median_ratios": median_ratios}
+            json.dump({**payload, "runs": rows}, f, indent=1)
     return 0
 
 
