@@ -3,12 +3,15 @@
 
     python benchmarks/run.py --models resnet50,gpt2 --nproc 1 --repeats 3 --out benchmarks/out
     python benchmarks/run.py --quick            # tiny sizes on CPU, a few minutes
+    python benchmarks/run.py --quick --tensorboard tb && tensorboard --logdir tb  # the curves
 
 Every run is one launcher process (``launch_single_task.py ... --output JSON``); runs are
 interleaved (repeat -> model -> mode) so machine drift hits every mode alike. A failed run is
 recorded as an error row and the benchmark goes on, but the exit status is 1 if any run failed
 (each failed run is named). Writes ``results.json``, ``results.md`` and ``results.png`` under
-``--out``; see benchmarks/README.md for the columns.
+``--out``; see benchmarks/README.md for the columns. With ``--tensorboard DIR`` every run also
+writes the launcher's TensorBoard scalars to ``DIR/<model>/<mode>`` (``-r<N>`` added when there
+are several repeats), so the modes are runs side by side in one TensorBoard.
 
 Note [busy box]: a benchmark on a loaded machine measures the load, not the modes. The 1-min load
 average is sampled before and after every run; if it exceeds the core count, or the samples/s of
@@ -100,6 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
     p.add_argument("--extra", default="", help="extra launcher flags, one string")
+    p.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="each run writes its scalars (launcher --tensorboard) to DIR/<model>/<mode>",
+    )
     args = p.parse_args(argv)
     modes = []
     for m in args.modes.split(","):
@@ -122,7 +131,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def launcher_flags(args, model: str, mode: str, gpu: bool, output: str) -> list[str]:
+def launcher_flags(
+    args, model: str, mode: str, gpu: bool, output: str, repeat: int = 0
+) -> list[str]:
     sizes = list((QUICK if args.quick else FULL).get(model, []))
     if "--model" not in sizes:
         sizes = ["--model", model, *sizes]
@@ -151,9 +162,18 @@ def launcher_flags(args, model: str, mode: str, gpu: bool, output: str) -> list[
     ]
     if amp_level == "O1":
         flags += ["--amp_dtype", args.amp_dtype or "bf16"]
+    if args.tensorboard:
+        flags += ["--tensorboard", tensorboard_run(args, model, mode, repeat)]
     if args.extra:
         flags += args.extra.split()
     return flags
+
+
+def tensorboard_run(args, model: str, mode: str, repeat: int) -> str:
+    """The TensorBoard run directory of one benchmark run (absolute: the launcher's cwd is
+    ROOT)."""
+    name = mode if args.repeats == 1 else f"{mode}-r{repeat + 1}"
+    return os.path.abspath(os.path.join(args.tensorboard, model, name))
 
 
 def _flag(flags: list[str], name: str) -> str | None:
@@ -249,7 +269,7 @@ def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
     # The launcher runs with cwd=ROOT: hand it absolute paths, show the user's spelling.
     output = os.path.abspath(os.path.join(logdir, tag + ".json"))
     metrics_path = os.path.abspath(os.path.join(logdir, tag + ".metrics.json"))
-    flags = launcher_flags(args, model, mode, gpu is not None, output)
+    flags = launcher_flags(args, model, mode, gpu is not None, output, repeat)
     if args.nproc == 1:
         cmd = [sys.executable, WORKER, metrics_path, "--", *flags]
     else:  # several workers: the plain launcher (no compiler counters)

@@ -86,6 +86,23 @@ def check_metrics(m: dict, steps: int, world_size: int, start: int = 0) -> None:
     assert m["intervals"] and m["intervals"][-1]["step"] == start + steps
 
 
+def read_tensorboard(logdir):
+    """``(scalars, accumulator)`` of the one TensorBoard run in ``logdir``, parsed by TensorBoard's
+    own ``EventAccumulator``: ``scalars[tag] = [(step, value), ...]``."""
+    import pytest
+
+    ea_mod = pytest.importorskip(
+        "tensorboard.backend.event_processing.event_accumulator",
+        reason="tensorboard not installed (pip install .[test])",
+    )
+    events = sorted(Path(logdir).glob("events.out.tfevents.*"))
+    assert len(events) == 1, f"expected one event file (rank 0 writes), found {events}"
+    acc = ea_mod.EventAccumulator(str(logdir), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    scalars = {t: [(e.step, e.value) for e in acc.Scalars(t)] for t in acc.Tags()["scalars"]}
+    return scalars, acc
+
+
 # ----------------------------------------------------------------------------- devices
 def launcher_checks():
     """``torchacc/launch_checks.py`` as the launcher loads it."""

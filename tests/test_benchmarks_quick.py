@@ -29,6 +29,7 @@ def test_benchmarks_quick(tmp_path):
         "--warmup", "2",
         "--timeout", "150",
         "--out", "bench",
+        "--tensorboard", "tb",
     )  # fmt: skip
     log = proc.stdout + proc.stderr
     # Every requested mode must succeed: a recorded error string is a failure.
@@ -47,6 +48,15 @@ def test_benchmarks_quick(tmp_path):
         assert row["label"] == "gpt-tiny (batch 8, seq 64)"
     for run in data["runs"]:
         assert (tmp_path / run["log"]).is_file() and run["log"].startswith("bench/runs/")
+    # --tensorboard: one TensorBoard run per mode, side by side, with every step's loss
+    from gallery_harness import read_tensorboard
+
+    assert sorted(p.name for p in (tmp_path / "tb" / "gpt2").iterdir()) == sorted(rows)
+    for mode in rows:
+        scalars, _ = read_tensorboard(tmp_path / "tb" / "gpt2" / mode)
+        assert [step for step, _ in scalars["train/loss"]] == [1, 2, 3, 4], mode
+        assert scalars["train/samples_per_sec"][0][0] == 4  # --log_interval is --steps
+        assert ("compile/count" in scalars) == (mode != "eager"), mode
 
     eager, acc = rows["eager"], rows["torchacc"]
     assert eager["first_step_s"] > 0 and eager["peak_mem_gib"] >= 0

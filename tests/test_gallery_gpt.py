@@ -2,10 +2,19 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from conftest import eager_device_type
-from gallery_harness import check_metrics, load_metrics, needs_processes, run_launcher, run_module
+from gallery_harness import (
+    check_metrics,
+    load_metrics,
+    needs_processes,
+    read_tensorboard,
+    run_launcher,
+    run_module,
+)
 
 from gallery.gpt.data import MockTokens
 from gallery.gpt.model import CONFIGS, GPT2_NUM_PARAMS, build_gpt, num_params
@@ -74,21 +83,40 @@ def test_gpt_tiny_eager_one_process_bf16(tmp_path):
 @pytest.mark.timeout(300)
 @needs_processes(2)
 def test_gpt_tiny_eager_two_processes_fp16_scaler(tmp_path):
-    out = tmp_path / "m.json"
-    run_launcher(
+    """Also the eager path of --tensorboard (rank 0's scalars count both processes) and
+    --profile (torch.profiler, one ProfilerStep region per captured step)."""
+    out, tb = tmp_path / "m.json", tmp_path / "tb"
+    p = run_launcher(
         "--nproc_per_node=2",
         "--model=gpt-tiny",
         "--seq_len=16",
         "--batch_size=2",
-        "--max_steps=2",
-        "--log_interval=1",
+        "--max_steps=3",
+        "--log_interval=2",
         "--amp_level=O1",
         "--amp_dtype=fp16",
         f"--output={out}",
+        f"--tensorboard={tb}",
+        "--profile=1:3",
     )
     m = load_metrics(out)
-    check_metrics(m, steps=2, world_size=2)
+    check_metrics(m, steps=3, world_size=2)
     assert m["config"]["amp_dtype_resolved"] == "fp16" and m["config"]["grad_scaler"]
+    assert "(scale 65536) | " in p.stdout  # the progress line shows the loss scale
+    scalars, _ = read_tensorboard(tb)  # one event file: rank 0 writes
+    assert [v for _, v in scalars["train/loss"]] == pytest.approx(m["losses"], rel=1e-6)
+    assert [s for s, _ in scalars["train/loss"]] == [1, 2, 3]
+    sps = [(i["step"], i["samples_per_sec"]) for i in m["intervals"]]
+    assert scalars["train/samples_per_sec"] == [(s, pytest.approx(v, rel=1e-6)) for s, v in sps]
+    for (_, v), i in zip(scalars["train/samples_per_sec"], m["intervals"]):
+        assert v == pytest.approx(2 * 2 / i["batch_time"], rel=1e-6)  # both processes' samples
+    assert scalars["amp/loss_scale"] == [(2, 65536.0), (3, 65536.0)]
+    assert "compile/count" not in scalars  # the compiler path's
+    (trace,) = tb.glob("*.pt.trace.json")
+    assert f"profile of steps 2..3 (torch.profiler): {trace}" in p.stdout
+    names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {"ProfilerStep#2", "ProfilerStep#3"} <= names and "ProfilerStep#1" not in names
+    assert {"aten::embedding", "c10d::allreduce_", "Optimizer.step#AdamW.step"} <= names
 
 
 @pytest.mark.slow

@@ -27,7 +27,7 @@ def test_notebook_matches_its_builder():
         "resnet50.ipynb is stale: run python -m gallery.resnet50.make_notebook"
     )
     tags = [c.metadata["tags"][0] for c in on_disk.cells]
-    assert {"setup", "prepare", "baseline", "torchacc", "compare"} <= set(tags)
+    assert {"setup", "prepare", "baseline", "torchacc", "compare", "curves"} <= set(tags)
 
 
 def readme_notebook_command() -> str:
@@ -73,3 +73,10 @@ def test_notebook_executes(tmp_path):
     if RUN_COMPILER_CELLS:
         assert "[summary] resnet-tiny torchacc x1" in text["torchacc"]
         assert "torchacc_1p" in text["compare"]
+    # the curves of both runs, read back from their TensorBoard event files (4 steps each)
+    pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install .[test])")
+    runs = ["baseline_1p", "torchacc_1p"] if RUN_COMPILER_CELLS else ["baseline_1p"]
+    for name in runs:
+        assert f"{name}: 4 loss points, equal to its --output losses: True" in text["curves"]
+    (curves,) = [c for c in nb.cells if c.cell_type == "code" and "curves" in c.metadata.tags]
+    assert any("image/png" in o.get("data", {}) for o in curves.outputs)  # the figure

@@ -24,8 +24,9 @@ node ranks (``--nnodes``/``--node_rank``) and each launcher spawns its N workers
 
 Before anything starts the launcher checks what would otherwise fail late (one line, exit code 2
 each): ``--nproc_per_node`` above this node's devices, unusable path flags, a ``--resume``
-checkpoint that is not one (or is unsafe, or is for another model), and ``--compiler-opt`` on a GPU
-machine whose JAX has no CUDA backend. Workers die with the launcher, and SIGINT/SIGTERM stop the
+checkpoint that is not one (or is unsafe, or is for another model), ``--tensorboard`` without a
+writer package, a ``--profile`` window outside the run, and ``--compiler-opt`` on a GPU machine
+whose JAX has no CUDA backend. Workers die with the launcher, and SIGINT/SIGTERM stop the
 job cleanly (Note [Worker lifetime] in ``torchacc/launch_checks.py``); exit codes: 0 done, 1 the
 run failed, 2 a usage or set-up error, 130/143 interrupted by SIGINT/SIGTERM.
 
@@ -197,6 +198,9 @@ def _preflight(args: argparse.Namespace, spawning: bool) -> str | None:
     errors = checks.path_errors(args)
     if errors:
         return errors[0]
+    err = checks.observe_errors(args)
+    if err:
+        return err
     if spawning:
         nproc = _resolve_nproc(args.nproc_per_node)
         err = checks.nproc_error(nproc, args.compiler_opt, args.oversubscribe)

@@ -92,6 +92,27 @@ def _data(text: str) -> str:
     return os.path.abspath(text)
 
 
+def _profile_window(text: str) -> str:
+    """``START:STOP``: two integers >= 0 (their order and --max_steps are checked at start-up,
+    with one line, by ``launch_checks.observe_errors``)."""
+    start, sep, stop = text.partition(":")
+    try:
+        a, b = int(start), int(stop)
+    except ValueError:
+        a = b = -1
+    if not sep or a < 0 or b < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected START:STOP (two integers >= 0, e.g. 10:13), got {text!r}"
+        )
+    return f"{a}:{b}"
+
+
+def profile_window(text: str) -> tuple[int, int]:
+    """``(START, STOP)`` of a ``--profile`` value."""
+    start, _, stop = text.partition(":")
+    return int(start), int(stop)
+
+
 def _existing_path(text: str) -> str:
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"checkpoint {text!r} does not exist")
@@ -292,6 +313,31 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="steps left out of the steady-state samples/s (default: min(5, steps // 2))",
     )
+
+    g = p.add_argument_group("observing a run (TensorBoard, profiles)")
+    g.add_argument(
+        "--tensorboard",
+        metavar="DIR",
+        default=None,
+        help="rank 0 writes TensorBoard scalars (loss, samples/s, step time, lr, peak memory, "
+        "compiles, loss scale) and the run's flags as hparams to DIR (needs the tensorboard or "
+        "tensorboardX package)",
+    )
+    g.add_argument(
+        "--profile",
+        metavar="START:STOP",
+        type=_profile_window,
+        default=None,
+        help="rank 0 profiles steps START+1..STOP (the log's step numbers): jax.profiler with "
+        "--compiler-opt, torch.profiler on the eager path",
+    )
+    g.add_argument(
+        "--profile_dir",
+        metavar="DIR",
+        default=None,
+        help="where --profile writes (default: the --tensorboard DIR, where TensorBoard's "
+        "profile plugin finds it)",
+    )
     return p
 
 
@@ -319,6 +365,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     _check_compile_mode(parser, args)
     _check_fsdp(parser, args)
+    if args.profile is not None and args.profile_dir is None:
+        args.profile_dir = args.tensorboard  # None too: observe_errors says what is missing
     return args
 
 

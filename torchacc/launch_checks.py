@@ -5,6 +5,8 @@ the ``torchacc`` package; torch is imported inside the functions that need it).
 
 - :func:`device_limit` / :func:`nproc_error`: ``--nproc_per_node`` above this node's devices.
 - :func:`path_errors`: every path flag is usable (written to / read from) at start.
+- :func:`observe_errors`: ``--tensorboard`` has a writer package, ``--profile`` a window inside
+  the run and a directory.
 - :func:`cuda_jax_mismatch`: torch sees CUDA GPUs while JAX has no CUDA backend.
 - :func:`guard_worker` and :class:`StopRequest`: Note [Worker lifetime].
 
@@ -44,6 +46,8 @@ __all__ = [
     "device_limit",
     "nproc_error",
     "path_errors",
+    "observe_errors",
+    "tensorboard_writer_package",
     "jax_cuda_plugins",
     "cuda_jax_mismatch",
     "guard_worker",
@@ -167,10 +171,61 @@ def path_errors(args, environ=None) -> list[str]:
         errors.append(_readable("--data", args.data))
     if getattr(args, "resume", None):
         errors.append(_readable("--resume", args.resume))
+    for flag in ("tensorboard", "profile_dir"):
+        if getattr(args, flag, None):
+            errors.append(_writable_dir(f"--{flag}", getattr(args, flag)))
     cache = env.get("TORCHACC_CACHE_DIR")
     if getattr(args, "compiler_opt", False) and cache and cache.lower() not in ("0", "off", "none"):
         errors.append(_writable_dir("TORCHACC_CACHE_DIR", cache))
     return [e for e in errors if e]
+
+
+# ----------------------------------------------------------------------------- observing
+def _importable(name: str) -> bool:
+    if name in sys.modules:
+        return sys.modules[name] is not None
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def tensorboard_writer_package(importable=_importable) -> str | None:
+    """The package a TensorBoard writer comes from: ``tensorboard`` (for torch's
+    ``torch.utils.tensorboard``), else ``tensorboardX``; None when neither is installed."""
+    for name in ("tensorboard", "tensorboardX"):
+        if importable(name):
+            return name
+    return None
+
+
+def observe_errors(args, total_steps: int | None = None, importable=_importable) -> str | None:
+    """The first problem of ``--tensorboard`` / ``--profile`` (one line), or None. ``total_steps``
+    is the run's length when known (the worker knows it; the launcher only has --max_steps)."""
+    if getattr(args, "tensorboard", None) and tensorboard_writer_package(importable) is None:
+        return (
+            f"--tensorboard {args.tensorboard}: needs the tensorboard package (pip install "
+            "tensorboard) or tensorboardX; neither is installed"
+        )
+    window = getattr(args, "profile", None)
+    if window is None:
+        return None
+    start, stop = (int(x) for x in window.split(":"))
+    if start >= stop:
+        return (
+            f"--profile {window}: START must be < STOP (it captures steps START+1..STOP, "
+            f"e.g. --profile {start}:{start + 3})"
+        )
+    if total_steps is not None and stop > total_steps:
+        return f"--profile {window}: STOP {stop} is beyond the run's {total_steps} steps"
+    max_steps = getattr(args, "max_steps", None)
+    if max_steps is not None and stop > max_steps:
+        return f"--profile {window}: STOP {stop} is beyond --max_steps {max_steps}"
+    if not getattr(args, "profile_dir", None):
+        return "--profile needs a directory: --profile_dir DIR, or --tensorboard DIR"
+    return None
 
 
 # ----------------------------------------------------------------------------- CUDA vs JAX

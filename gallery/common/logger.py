@@ -105,17 +105,20 @@ def log_metrics(
     total_steps: int | None = None,
     eta: float | None = None,
     mem_source: str | None = None,
+    loss_scale: float | None = None,
     logger: logging.Logger | None = None,
 ) -> str:
     """The progress line. ``samples_per_step`` is samples/s over all processes, ``batch_time`` is
-    seconds per step, ``peak_mem`` GiB, ``step`` the number of steps done."""
+    seconds per step, ``peak_mem`` GiB, ``step`` the number of steps done, ``loss_scale`` the
+    GradScaler's scale (shown when given)."""
     logger = logger or _get_logger()
     loss = float(loss.item() if hasattr(loss, "item") else loss)
     where = (
         f"{step}/{total_steps} ({100.0 * step / total_steps:3.0f}%)" if total_steps else f"{step}"
     )
+    scale = "" if loss_scale is None else f" (scale {loss_scale:g})"
     line = (
-        f"epoch {epoch} step {where} | batch {batch_size} | loss {loss:.4f} | "
+        f"epoch {epoch} step {where} | batch {batch_size} | loss {loss:.4f}{scale} | "
         f"{batch_time * 1000.0:.1f} ms/step | {samples_per_step:.1f} samples/s | "
         f"peak mem {peak_mem:.2f} GiB"
     )

@@ -69,6 +69,7 @@ from gallery.common.logger import (
     reset_peak_memory_fn,
     set_peak_memory_fn,
 )
+from gallery.common.observe import RunBoard, StepProfiler
 
 _launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
 LAUNCH_ONLY, find_free_port = _launch.LAUNCH_ONLY, _launch.find_free_port
@@ -265,6 +266,9 @@ def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | No
     errors = checks.path_errors(args)
     if errors:
         raise _exit_reported(2, f"error: {errors[0]}", rank)
+    err = checks.observe_errors(args)
+    if err:
+        raise _exit_reported(2, f"error: {err}", rank)
     _ensure_distributed_env()
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
@@ -531,11 +535,13 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     hardware = _hardware(compiler, device, local_rank)
     reseed = _draws_random(_unwrap(model))  # else one seed (above) is all a step needs
 
+    err = checks.observe_errors(args, total_steps)  # --profile inside this run (epochs known)
+    if err:
+        raise _exit_reported(2, f"error: {err}", rank)
+    board = prof = None
     if rank == 0:
         desc = task.describe(_unwrap(model)) if task.describe else task.name
-        log_params(
-            {k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY},
-            logger,
+        params = dict(
             mode=mode,
             device=device_name if hardware == device_name else f"{device_name} ({hardware})",
             world_size=world_size,
@@ -550,6 +556,14 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             kernel_opt=enable_torchacc_kernel(),
             model_desc=desc,
         )
+        flags = {k: v for k, v in vars(args).items() if k not in LAUNCH_ONLY}
+        log_params(flags, logger, **params)
+        if args.tensorboard:  # Note [Observing without syncs] in gallery/common/observe.py
+            board = RunBoard(args.tensorboard, {**flags, **params})
+            logger.info(f"TensorBoard scalars: {args.tensorboard} (tensorboard --logdir DIR)")
+        if args.profile:
+            kind = "lazy" if compiler else "dynamo" if dynamo else "eager"
+            prof = StepProfiler(args.profile, args.profile_dir, kind, cuda, logger.info)
 
     def save(step: int) -> bool:
         """Write a checkpoint (rank 0); False, after one line saying why, if it failed."""
@@ -631,6 +645,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         for inputs, target in loader.batches(epoch, offset, offset + total_steps - step):
             if reseed:
                 torch.manual_seed(step_seed(args.seed, rank, step))
+            if prof:
+                t_last += prof.begin(step)  # starting the profiler is not the step's time
             compiles_before = compile_count()
             if compiler:
                 inputs, target = inputs.to(device), target.to(device)
@@ -665,8 +681,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                         gradients = xm._fetch_gradients(optimizer)
                         xm.all_reduce("sum", gradients, scale=1.0 / world_size)
                     optimizer.step()
-                if compiler:
+                if compiler and not (prof and prof.marks_step(step)):
                     xm.mark_step()
+            if prof:
+                prof.end(step)  # closes the step's region (xp.StepTrace's exit: mark_step)
 
             pending.append(loss.detach())
             steps.append(step)
@@ -708,6 +726,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                     batch_time, eta = (now - t_interval) / max(len(interval_times), 1), None
                 sps = samples_per_step / batch_time if batch_time > 0 else float("nan")
                 mem, mem_src = peak_memory_gib()
+                scale = scaler.get_scale() if scaler is not None else None
                 log_metrics(
                     epoch,
                     step,
@@ -719,8 +738,21 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                     total_steps=total_steps,
                     eta=eta,
                     mem_source=mem_src,
+                    loss_scale=scale,
                     logger=logger,
                 )
+                if board:
+                    board.losses(steps, losses)
+                    board.interval(
+                        step,
+                        samples_per_sec=sps,
+                        step_time_s=batch_time,
+                        lr=optimizer.param_groups[0]["lr"],
+                        peak_mem_gib=mem,
+                        mem_source=mem_src,
+                        compiles=compile_count() if compiler or dynamo else None,
+                        loss_scale=scale,
+                    )
                 intervals.append(
                     {
                         "step": step,
@@ -735,6 +767,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             if at_log:
                 t_interval = now
                 interval_times.clear()
+            if prof:
+                t_last += prof.after(step)  # nor is stopping it and writing the trace
             if args.save_dir and args.save_interval and step % args.save_interval == 0:
                 saved_ok[step] = save(step)
             if t_first is not None:
@@ -742,6 +776,11 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 if stop_signal is not None:
                     break
     fetch_losses()
+    if prof:
+        prof.finish()  # an interrupted run still writes what it captured
+    if board:
+        board.losses(steps, losses)
+        board.close()
     t_end = time.perf_counter()
     for sig, handler in previous_handlers.items():
         signal.signal(sig, handler)

@@ -2,8 +2,8 @@
 
     python -m gallery.resnet50.make_notebook          # rewrites gallery/resnet50/resnet50.ipynb
 
-The notebook's cells carry tags: ``setup``, ``prepare``, ``baseline``, ``torchacc`` and
-``compare``; the test drops the ``torchacc`` cells until the compiler path exists.
+The notebook's cells carry tags: ``setup``, ``prepare``, ``baseline``, ``torchacc``, ``compare``
+and ``curves`` (the runs' TensorBoard scalars, read back from their event files).
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ python launch_single_task.py --nproc_per_node=8 --amp_level=O1 --compiler-opt --
 
 `--batch_size` is per process: lower it on GPUs with less memory. `--nproc_per_node` can be
 anything from 1 to the number of GPUs of the machine. The cells below run the same commands with
-a fixed number of steps and collect each run's metrics (`--output run.json`)."""
+a fixed number of steps and collect each run's metrics (`--output run.json`) and, when the
+`tensorboard` package is installed, its TensorBoard scalars (`--tensorboard DIR`): section 5
+draws the loss and throughput curves of the runs from those event files."""
 
 SETUP = """\
+import importlib.util
 import json
 import os
 import pathlib
@@ -63,7 +66,7 @@ except ImportError:
 
 TINY = os.environ.get("TORCHACC_NB_TINY") == "1"  # seconds on a CPU (used by the tests)
 if TINY:  # resnet-tiny: ResNet-50's code with 2-1-1-1 blocks (half of ResNet-50's compile)
-    BATCH_SIZE, IMAGE_SIZE, STEPS, NUM_IMAGES, NUM_CLASSES = 2, 32, 2, 8, 4
+    BATCH_SIZE, IMAGE_SIZE, STEPS, NUM_IMAGES, NUM_CLASSES = 2, 32, 4, 8, 4
     PROCS = [1]
     EXTRA = ["--model=resnet-tiny", "--amp_level=O0", "--workers=0", "--log_interval=1"]
 else:
@@ -71,6 +74,8 @@ else:
     PROCS = sorted({1, max(NUM_GPUS, 1)})  # one process, then one per GPU
     EXTRA = ["--amp_level=O1", "--log_interval=20"]
 DATA = WORK / "mock_imagenet"
+TB = WORK / "tensorboard"  # one TensorBoard run per launch: tensorboard --logdir work/tensorboard
+HAVE_TB = importlib.util.find_spec("tensorboard") is not None
 RESULTS = {}
 
 
@@ -90,7 +95,9 @@ def launch(name, *flags):
     \"\"\"launch_single_task.py with `flags`; returns and records the run's metrics.\"\"\"
     out = WORK / f"{name}.json"
     sizes = [f"--batch_size={BATCH_SIZE}", f"--image_size={IMAGE_SIZE}", f"--max_steps={STEPS}"]
-    run([sys.executable, LAUNCHER, *flags, *sizes, f"--data={DATA}", *EXTRA, f"--output={out}"])
+    sizes += [f"--data={DATA}", *EXTRA, f"--output={out}"]
+    tb = [f"--tensorboard={TB / name}"] if HAVE_TB else []
+    run([sys.executable, LAUNCHER, *flags, *sizes, *tb])
     RESULTS[name] = json.loads(out.read_text())
     return RESULTS[name]
 
@@ -161,6 +168,39 @@ if not any(k.startswith("torchacc") for k in RESULTS):
     print("(no torchacc run yet: run section 3)")"""
 
 
+CURVES_MD = """\
+## 5. Curves
+
+Each run above wrote its TensorBoard scalars to `work/tensorboard/<run>` (rank 0, from the values
+its progress lines already read: no extra device synchronization). `tensorboard --logdir
+work/tensorboard` shows them live; here they are read back from the event files with
+TensorBoard's `EventAccumulator`: one loss point per step, and the samples/s of each progress
+line (the first one includes the compile of the first step)."""
+
+CURVES = """\
+if not HAVE_TB:
+    print("no curves: the tensorboard package is not installed (pip install tensorboard)")
+else:
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in RESULTS.items():
+        acc = EventAccumulator(str(TB / name), size_guidance={"scalars": 0})
+        acc.Reload()
+        for ax, tag in zip(axes, ["train/loss", "train/samples_per_sec"]):
+            points = [(e.step, e.value) for e in acc.Scalars(tag)]
+            ax.plot(*zip(*points), marker="o", label=name)
+            ax.set(title=tag, xlabel="step")
+        loss = [e.value for e in acc.Scalars("train/loss")]
+        same = all(abs(a - b) <= 1e-6 * abs(b) for a, b in zip(loss, result["losses"]))
+        same = same and len(loss) == len(result["losses"])
+        print(f"{name}: {len(loss)} loss points, equal to its --output losses: {same}")
+    axes[0].legend()
+    fig.tight_layout()
+    plt.show()"""
+
+
 def build() -> nbformat.NotebookNode:
     nb = new_notebook()
     nb.metadata["kernelspec"] = {
@@ -187,6 +227,8 @@ def build() -> nbformat.NotebookNode:
         code(TORCHACC, "torchacc"),
         md(COMPARE_MD, "compare"),
         code(COMPARE, "compare"),
+        md(CURVES_MD, "curves"),
+        code(CURVES, "curves"),
     ]
     for i, cell in enumerate(nb.cells):  # stable ids keep the file diff-friendly
         cell["id"] = f"cell-{i:02d}-{cell.metadata['tags'][0]}"
