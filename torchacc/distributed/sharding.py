@@ -24,10 +24,14 @@ _meshes: dict = {}
 
 def use_spmd():
     """Switch SPMD mode on: the torchacc device becomes one virtual device over every device of
-    the job. Call it before the first torchacc tensor is made (as torch_xla asks)."""
+    the job. Call it before the first torchacc tensor is made (as torch_xla asks). Sets
+    ``XLA_USE_SPMD=1`` for child processes, as torch_xla does."""
+    import os
+
     from torchacc.ir import live_storages
 
     if runtime_mesh.is_spmd():
+        os.environ["XLA_USE_SPMD"] = "1"
         return
     if any(True for _ in live_storages()):
         raise RuntimeError(
@@ -36,6 +40,7 @@ def use_spmd():
             "device (or set XLA_USE_SPMD=1)"
         )
     runtime_mesh.enable()
+    os.environ["XLA_USE_SPMD"] = "1"
 
 
 def is_spmd():
@@ -133,6 +138,17 @@ def _check_device(t, call):
         )
 
 
+def set_data(t, array):
+    """Make the torchacc tensor ``t`` hold the global ``array`` (its shape, possibly padded:
+    Note [Padded shards]) as its new data, e.g. a loaded checkpoint's."""
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.mutation import assign
+    from torchacc.program import known
+
+    assign(t, Value(contiguous_desc(tuple(t.shape), t.dtype), array=array))
+    known.spoil("a tensor's data was replaced")
+
+
 def mark(t, sharding, call="mark_sharding"):
     """Lay ``t`` out as ``sharding`` (a NamedSharding from :func:`named_sharding`): a computed
     tensor's array is resharded now; a pending tensor gets a sharding constraint in its step."""
@@ -201,12 +217,12 @@ def sharding_of(t):
 def hlo_text(sharding, ndim):
     """``sharding`` in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
     last_tile_dim_replicate}``, ``{replicated}``): device numbers are global ordinals."""
-    if sharding is None or not isinstance(sharding, jax.sharding.NamedSharding):
+    if sharding is None or isinstance(sharding, jax.sharding.SingleDeviceSharding):
         return ""
     hlo = sharding._to_xla_hlo_sharding(ndim)
     if hlo.is_replicated():
         return "{replicated}"
-    ids = [ordinal(d) for d in sharding.mesh.devices.flat]
+    ids = [ordinal(d) for d in sharding._device_assignment]  # any jax sharding (jit results)
     dims = ",".join(str(d) for d in hlo.tile_assignment_dimensions())
     devices = ",".join(str(ids[i]) for i in hlo.tile_assignment_devices())
     tail = " last_tile_dim_replicate" if hlo.replicate_on_last_tile_dim() else ""
