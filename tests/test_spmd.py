@@ -117,12 +117,15 @@ def _launch(tmp_path, name, *flags, **env_extra):
 def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     """--compiler-opt --fsdp --mesh 2,2 on 4 CPU devices trains gpt-tiny with the losses of the
     eager single-process run on the same batches; bad flags are one-line errors (exit 2)."""
+    ckpt = tmp_path / "ckpt"
     proc, sharded = _launch(
         tmp_path,
         "fsdp",
         "--compiler-opt",
         "--fsdp",
         "--mesh=2,2",
+        f"--save_dir={ckpt}",
+        "--save_interval=2",
         PJRT_DEVICE="CPU",
         CPU_NUM_DEVICES=4,
     )
@@ -135,6 +138,28 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     assert len(sharded["losses"]) == 4
     for a, b in zip(sharded["losses"], eager["losses"]):
         assert abs(a - b) <= 1e-5, (sharded["losses"], eager["losses"])
+    # each save is a DCP checkpoint (torch_xla's CheckpointManager layout); resuming on another
+    # mesh reshards it and continues with the uninterrupted run's losses
+    assert sorted(os.listdir(ckpt)) == ["2", "4"] and any(
+        f.endswith(".distcp") for f in os.listdir(ckpt / "2")
+    )
+    import shutil
+
+    shutil.rmtree(ckpt / "4")
+    proc, resumed = _launch(
+        tmp_path,
+        "resumed",
+        "--compiler-opt",
+        "--fsdp",
+        "--mesh=1,4",
+        f"--resume={ckpt}",
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=4,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert resumed["steps"] == [2, 3]
+    for a, b in zip(resumed["losses"], sharded["losses"][2:]):
+        assert abs(a - b) <= 1e-5, (resumed["losses"], sharded["losses"])
     for flags, message in (
         (("--mesh=2,2",), "--mesh is for --fsdp --compiler-opt"),
         (("--fsdp", "--model=resnet-tiny"), "--fsdp shards the gpt and llama models"),

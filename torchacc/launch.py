@@ -210,10 +210,25 @@ def _preflight(args: argparse.Namespace, spawning: bool) -> str | None:
         err = checks.cuda_jax_mismatch(checks.cuda_device_count(), checks.jax_cuda_plugins())
         if err:
             return err
+    if args.resume and getattr(args, "fsdp", False) and args.compiler_opt:
+        return _check_sharded_resume(args)
     if args.resume:
         err = _check_resume(args)
         if err:
             return err
+    return None
+
+
+def _check_sharded_resume(args: argparse.Namespace) -> str | None:
+    """--fsdp --compiler-opt resumes from a directory of sharded (DCP) checkpoints, DIR/<step>/
+    (torch_xla's CheckpointManager layout); the worker loads and reshards the newest."""
+    path = args.resume
+    steps = [d for d in os.listdir(path) if d.isdigit()] if os.path.isdir(path) else []
+    if not steps:
+        return (
+            f"--resume {path}: no sharded checkpoint here (--fsdp --compiler-opt saves "
+            "DIR/<step>/ directories with --save_dir DIR)"
+        )
     return None
 
 

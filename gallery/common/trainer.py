@@ -365,6 +365,34 @@ def _shard_fsdpv2(model, args, logger):
     return mesh, wrapped
 
 
+def _sharded_state(model, optimizer, step):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+
+def _restore_sharded(args, model, optimizer, rank, group) -> int:
+    """--resume DIR of sharded checkpoints (torch_xla's CheckpointManager layout, DIR/<step>):
+    the newest step loaded in place, resharded to this run's layout; returns that step."""
+    from torchacc.torch_xla.experimental.distributed_checkpoint import (
+        CheckpointManager,
+        prime_optimizer,
+    )
+
+    manager = CheckpointManager(args.resume, save_interval=1, process_group=group)
+    steps = manager.all_steps()
+    if not steps:
+        raise _exit_reported(
+            2, f"error: --resume {args.resume}: no sharded checkpoint (<step>/ directories)", rank
+        )
+    prime_optimizer(optimizer)
+    state = _sharded_state(model, optimizer, 0)
+    try:
+        manager.restore(max(steps), state)
+    except ValueError as e:
+        raise _exit_reported(2, f"error: --resume {args.resume}: {e}", rank) from None
+    optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"])
+
+
 def _log_sharded_memory(logger, model, optimizer):
     from torchacc.distributed import sharding
 
@@ -413,7 +441,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     n_params = sum(p.numel() for p in model.parameters())
 
     ckpt = None
-    if args.resume:
+    sharded_ckpt = bool(fsdp and compiler)  # DCP: each process writes its own shards
+    if args.resume and not sharded_ckpt:
         ckpt = _load_resume(args, task, model, rank, logger)
 
     # ---- distributed init + device placement
@@ -499,6 +528,17 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     )
 
     start_step = 0
+    manager = None
+    if sharded_ckpt and (args.save_dir or args.resume):
+        from torchacc.torch_xla.experimental.distributed_checkpoint import CheckpointManager
+
+        group = dist.new_group(backend="gloo")  # DCP's coordination ('xla' has no gather)
+        if args.save_dir:
+            manager = CheckpointManager(
+                args.save_dir, save_interval=1, max_to_keep=2, process_group=group
+            )
+        if args.resume:
+            start_step = _restore_sharded(args, model, optimizer, rank, group)
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         if scaler is not None and ckpt.get("scaler"):
@@ -567,6 +607,17 @@ def train(task: Task, args: argparse.Namespace) -> dict:
 
     def save(step: int) -> bool:
         """Write a checkpoint (rank 0); False, after one line saying why, if it failed."""
+        if manager is not None:  # sharded state: DCP, every process writes its own shards
+            xm.mark_step()
+            try:
+                manager.save(step, _sharded_state(model, optimizer, step), force=True)
+            except (OSError, RuntimeError) as e:
+                line = f"could not save the sharded checkpoint of step {step}: {e}"
+                logger.warning(line)
+                save_errors.append(line)
+                return False
+            logger.info(f"saved sharded checkpoint {os.path.join(args.save_dir, str(step))}")
+            return True
         if rank != 0:
             return True
         if compiler:
