@@ -1,0 +1,172 @@
+"""torchacc.parallel on 4 CPU devices (run by tests/test_parallel.py with CPU_NUM_DEVICES=4).
+
+Every mode trains at parity with eager PyTorch that computes MindSpore's per-device semantics by
+hand (the loss of each batch slice, the slice gradients averaged or summed); the seed's semi-auto
+example; layouts, per-device bytes and bad input.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+import torchacc  # noqa: E402
+import torchacc.parallel as par  # noqa: E402
+from compile_counts import new_graphs  # noqa: E402
+from torchacc.distributed import sharding as engine  # noqa: E402
+from torchacc.parallel import ops  # noqa: E402
+
+par.init()
+DEV = torchacc.device()
+MODES = ["stand_alone", "data_parallel", "semi_auto_parallel", "auto_parallel"]
+
+
+@pytest.fixture(autouse=True)
+def fresh_context():
+    par.reset_auto_parallel_context()
+    yield
+    par.reset_auto_parallel_context()
+
+
+class MLP(torch.nn.Module):
+    """Two Linears and a weight used through an op strategy (its columns over 2 devices)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, 32)
+        self.fc2 = torch.nn.Linear(32, 16)
+        self.w3 = torch.nn.Parameter(torch.randn(16, 8) * 0.2)
+        self.act = ops.Gelu()
+        self.mm = ops.MatMul().shard(((1, 1), (1, 2)))
+
+    def forward(self, x):
+        return self.mm(self.fc2(self.act(self.fc1(x))), self.w3)
+
+
+def _mse(out, y):
+    return torch.nn.functional.mse_loss(out, y)
+
+
+def _ce(out, y):
+    return torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+
+
+def _reference_step(ref, x, y, loss_fn, slices, mean):
+    """MindSpore's semantics by hand: the loss of each device's batch slice, its gradients
+    summed over the slices (divided by their number for gradients_mean=True)."""
+    losses = []
+    for xs, ys in zip(x.chunk(slices), y.chunk(slices)):
+        loss = loss_fn(ref(xs), ys)
+        loss.backward()
+        losses.append(loss.item())
+    if mean:
+        for p in ref.parameters():
+            p.grad /= slices
+    return sum(losses) / slices
+
+
+def _train(build, mode, mean, batch, loss_fn, plan=None, budget=None, steps=5, lr=0.05):
+    par.set_auto_parallel_context(parallel_mode=mode, gradients_mean=mean)
+    if budget is not None:
+        par.set_auto_parallel_context(device_memory_budget=budget)
+    torch.manual_seed(0)
+    ref = build()
+    model = build()
+    model.load_state_dict(ref.state_dict())
+    if plan is not None:
+        plan(model)
+    model = par.parallelize(model.to(DEV))
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    ropt = torch.optim.SGD(ref.parameters(), lr=lr)
+    graphs, losses = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        before = new_graphs()
+        loss = loss_fn(model(x.to(DEV)), y.to(DEV))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        graphs.append(new_graphs() - before)
+        rloss = _reference_step(ref, x, y, loss_fn, _dp_degree(), mean)
+        ropt.step()
+        ropt.zero_grad()
+        losses.append((loss.item(), rloss))
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        err = (p.detach().cpu() - q.detach()).abs().max().item()
+        assert err <= 1e-5, (mode, mean, name, err)
+    for a, b in losses:
+        assert abs(a - b) <= 1e-5, (mode, mean, losses)
+    assert graphs[2:] == [0] * (steps - 2), (mode, graphs)
+    return model, losses
+
+
+def _dp_degree():
+    from torchacc.parallel import context
+
+    return context.data_parallel_degree()
+
+
+def _mlp_batch(step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+
+
+def _mlp_plan(model):
+    par.shard(model.fc1, None, parameter_plan={"weight": (2, 1), "bias": (2,)})
+    par.shard(model.fc2, None, parameter_plan={"weight": (1, 2)})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_mlp_every_mode_matches_eager_for_both_gradients_mean(mode):
+    results = {}
+    for mean in (True, False):
+        plan = _mlp_plan if mode == "semi_auto_parallel" else None
+        budget = 6000 if mode == "auto_parallel" else None
+        par.reset_auto_parallel_context()
+        model, losses = _train(MLP, mode, mean, _mlp_batch, _mse, plan, budget)
+        results[mean] = losses
+        dp = _dp_degree()
+        expect = {"stand_alone": 1, "data_parallel": 4}.get(mode, 2)
+        assert dp == expect, (mode, dp)
+        if mode in ("semi_auto_parallel", "auto_parallel"):
+            # the op strategy split w3's columns over the model-parallel devices
+            assert [s[0].shape for s in engine.local_shards(model.w3)] == [(16, 4)] * 4
+        if mode == "semi_auto_parallel":  # the module-level parameter plans
+            assert [s[0].shape for s in engine.local_shards(model.fc1.weight)] == [(16, 16)] * 4
+            assert [s[0].shape for s in engine.local_shards(model.fc2.weight)] == [(16, 16)] * 4
+    if _dp_degree() > 1:  # summing the slice gradients is a different training run
+        assert results[True][-1] != results[False][-1]
+
+
+def test_seed_example_matmul_strategy_then_reduce_sum():
+    par.set_auto_parallel_context(parallel_mode=par.ParallelMode.SEMI_AUTO_PARALLEL)
+
+    class SemiAutoParallelNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.rand(512, 128) / 64)
+            self.fc = ops.MatMul().shard(((1, 1), (1, 2)))
+            self.reduce = ops.ReduceSum()
+
+        def forward(self, x):
+            return self.reduce(self.fc(x, self.weight), -1)
+
+    torch.manual_seed(0)
+    net = SemiAutoParallelNet()
+    x = torch.randn(8, 512)
+    expect = net(x)
+    net = par.parallelize(net.to(DEV))
+    out = net(x.to(DEV))
+    assert torch.allclose(out.cpu(), expect, atol=1e-5, rtol=1e-5)
+    shards = engine.local_shards(net.weight)
+    assert [tuple(s[0].shape) for s in shards] == [(512, 64)] * 4  # half the columns each
+    for data, index, _, _ in shards:
+        assert torch.equal(data, net.weight.detach().cpu()[index])
+    assert engine.hlo_text(engine.sharding_of(net.weight), 2) == (
+        "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+    )
