@@ -46,6 +46,7 @@ from torchacc.parallel.context import (
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
+from torchacc.parallel.auto import strategy_table
 from torchacc.parallel.module import gradient_scale, parallelize, shard
 
 __all__ = [
@@ -60,4 +61,5 @@ __all__ = [
     "reset_auto_parallel_context",
     "set_auto_parallel_context",
     "shard",
+    "strategy_table",
 ]
