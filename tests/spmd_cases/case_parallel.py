@@ -289,3 +289,46 @@ def test_bad_strategies_name_the_op_the_shape_and_the_strategy():
     par.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     msg = first_step(Net(((1, 1), (1, 2))), torch.randn(3, 8))
     assert "batch dimension of an input of shape (3, 8)" in msg, msg
+
+
+def test_checkpoint_slices_merge_and_match_the_merged_file(tmp_path):
+    import json
+
+    import ckpt_model
+
+    out = os.environ.get("PARALLEL_CKPT_DIR") or str(tmp_path)
+    par.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True)
+    torch.manual_seed(0)
+    model = ckpt_model.Wide()
+    ckpt_model.plan(model, par)
+    model = par.parallelize(model.to(DEV))
+    opt = ckpt_model.optimizer(model)
+    for i in range(3):
+        ckpt_model.step(model, opt, i, DEV, torchacc.sync)
+    full = os.path.join(out, "full.ckpt")
+    par.save_checkpoint(model, full, opt)
+    files = par.save_checkpoint(model, os.path.join(out, "slices"), opt, integrated_save=False)
+    assert [os.path.basename(f) for f in files] == [f"device_{d}.ckpt" for d in range(4)]
+    assert sorted(os.listdir(os.path.join(out, "slices"))) == sorted(map(os.path.basename, files))
+    sizes = [os.path.getsize(f) for f in files]
+    assert abs(sum(sizes) - os.path.getsize(full)) <= 0.05 * os.path.getsize(full), sizes
+    assert max(sizes) <= 0.4 * sum(sizes), sizes  # each device holds about a quarter
+    merged_file = torch.load(full, weights_only=True)["tensors"]
+    slots = {"format", "device", "device_num", "tensors", "layout", "param_groups"}
+    for d, f in enumerate(files):
+        obj = torch.load(f, weights_only=True)  # weights_only-safe
+        assert set(obj) <= slots and obj["device"] == d and obj["device_num"] == 4
+        for name, piece in obj["tensors"].items():  # only this device's slices
+            index = tuple(slice(a, b) for a, b in obj["layout"][name]["index"])
+            assert torch.equal(piece, merged_file[name][index])
+        w1 = obj["tensors"].get("fc1.weight")
+        assert w1 is None or tuple(w1.shape) == (128, 64)
+    merged = par.load_checkpoint(os.path.join(out, "slices"))
+    assert set(merged) == {k for k in merged_file if not k.startswith("optimizer.")}
+    for name, t in merged.items():
+        assert torch.equal(t, merged_file[name]), name  # bit-identical
+    losses = [ckpt_model.step(model, opt, i, DEV, torchacc.sync) for i in (3, 4)]
+    with open(os.path.join(out, "losses.json"), "w") as f:
+        json.dump(losses, f)
+    with pytest.raises(ValueError, match=r"device\(s\) \[2\] \(of 4 saved\)"):
+        par.load_distributed_checkpoint(model, [f for f in files if not f.endswith("_2.ckpt")])

@@ -47,6 +47,11 @@ from torchacc.parallel.context import (
     set_auto_parallel_context,
 )
 from torchacc.parallel.auto import strategy_table
+from torchacc.parallel.checkpoint import (
+    load_checkpoint,
+    load_distributed_checkpoint,
+    save_checkpoint,
+)
 from torchacc.parallel.module import gradient_scale, parallelize, shard
 
 __all__ = [
@@ -56,9 +61,12 @@ __all__ = [
     "get_rank",
     "gradient_scale",
     "init",
+    "load_checkpoint",
+    "load_distributed_checkpoint",
     "ops",
     "parallelize",
     "reset_auto_parallel_context",
+    "save_checkpoint",
     "set_auto_parallel_context",
     "shard",
     "strategy_table",
