@@ -11,7 +11,6 @@ import sys
 
 import pytest
 import torch
-
 from test_spmd import run_cases
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spmd_cases"))

@@ -14,9 +14,10 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
+from compile_counts import new_graphs  # noqa: E402
+
 import torchacc  # noqa: E402
 import torchacc.parallel as par  # noqa: E402
-from compile_counts import new_graphs  # noqa: E402
 from torchacc.distributed import sharding as engine  # noqa: E402
 from torchacc.parallel import ops  # noqa: E402
 
@@ -190,7 +191,7 @@ def _gpt():
 
 def _gpt_batch(step):
     gen = torch.Generator().manual_seed(200 + step)
-    return torch.randint(0, 512, (8, 16), generator=gen), torch.randint(0, 512, (8, 16), generator=gen)
+    return tuple(torch.randint(0, 512, (8, 16), generator=gen) for _ in range(2))
 
 
 def _gpt_plan(model):
@@ -253,7 +254,7 @@ def test_bad_strategies_name_the_op_the_shape_and_the_strategy():
     with pytest.raises(ValueError, match="one strategy tuple per input"):
         ops.MatMul().shard((1, 2))
     lin = torch.nn.Linear(6, 4)
-    with pytest.raises(ValueError, match=r"Linear.weight: strategy \(1, 4\) splits dimension 1 of "):
+    with pytest.raises(ValueError, match=r"Linear.weight: strategy \(1, 4\) splits dimension 1"):
         par.shard(lin, None, parameter_plan={"weight": (1, 4)})
     with pytest.raises(ValueError, match=r"Linear.weight: strategy \(2,\) has 1 entries for "):
         par.shard(lin, None, parameter_plan={"weight": (2,)})
@@ -284,7 +285,10 @@ def test_bad_strategies_name_the_op_the_shape_and_the_strategy():
     par.reset_auto_parallel_context()
     par.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     msg = first_step(Net(((1, 1), (1, 2))), torch.randn(4, 8, 2))
-    assert "a (MatMul): strategy ((1, 1), (1, 2)) has 2 entries for an input of shape (4, 8, 2)" in msg
+    assert (
+        "a (MatMul): strategy ((1, 1), (1, 2)) has 2 entries for an input of shape (4, 8, 2)"
+        in (msg)
+    )
     par.reset_auto_parallel_context()
     par.set_auto_parallel_context(parallel_mode="semi_auto_parallel")
     msg = first_step(Net(((1, 1), (1, 2))), torch.randn(3, 8))

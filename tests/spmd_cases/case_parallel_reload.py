@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 import ckpt_model  # noqa: E402
+
 import torchacc  # noqa: E402
 import torchacc.parallel as par  # noqa: E402
 from torchacc.distributed import sharding as engine  # noqa: E402

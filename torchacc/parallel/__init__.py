@@ -37,6 +37,12 @@ torchacc/runtime/mesh.py) and XLA's SPMD partitioner inserts the collectives.
 """
 
 from torchacc.parallel import ops
+from torchacc.parallel.auto import strategy_table
+from torchacc.parallel.checkpoint import (
+    load_checkpoint,
+    load_distributed_checkpoint,
+    save_checkpoint,
+)
 from torchacc.parallel.context import (
     ParallelMode,
     get_auto_parallel_context,
@@ -46,13 +52,8 @@ from torchacc.parallel.context import (
     reset_auto_parallel_context,
     set_auto_parallel_context,
 )
-from torchacc.parallel.auto import strategy_table
-from torchacc.parallel.checkpoint import (
-    load_checkpoint,
-    load_distributed_checkpoint,
-    save_checkpoint,
-)
-from torchacc.parallel.module import gradient_scale, parallelize, shard
+from torchacc.parallel.module import gradient_scale, shard
+from torchacc.parallel.parallelize import parallelize
 
 __all__ = [
     "ParallelMode",

@@ -210,8 +210,8 @@ def search(model, args):
         rows.append((layer.name, layer.shape, choice, layer.plan(choice, mp), why))
     for name, why in skipped.items():
         rows.append((name, tuple(model.get_submodule(name).weight.shape), "kept", {}, why))
-    for mod_name, m in model.named_modules():
-        for attr, v in vars(m).items():
+    for m in model.modules():
+        for v in vars(m).values():
             if isinstance(v, Primitive) and v.strategy is not None:
                 rows.append((v.name, (), "op", v.strategy, "user op strategy (.shard())"))
     model._torchacc_strategy_table = {

@@ -206,9 +206,7 @@ def load_checkpoint(path, model=None, optimizer=None):
     """The merged tensors ``{name: tensor}`` of a checkpoint (a merged file, or a directory of
     slice files); with ``model``/``optimizer`` also loads them (layouts kept)."""
     if os.path.isdir(path):
-        files = sorted(
-            os.path.join(path, f) for f in os.listdir(path) if f.endswith(".ckpt")
-        )
+        files = sorted(os.path.join(path, f) for f in os.listdir(path) if f.endswith(".ckpt"))
         merged, groups = merge_slices(files)
     else:
         obj = _read(path)

@@ -1,6 +1,5 @@
-"""Module-level strategies (``shard(module, in_strategy, out_strategy, parameter_plan)``) and
-``parallelize(model)``, which applies the context's mode to a model: the device matrix, the
-parameters' layouts, the batch split of its inputs and MindSpore's ``gradients_mean``.
+"""Module-level strategies (``shard(module, in_strategy, out_strategy, parameter_plan)``): the
+plans, their hooks and the parameters' layouts, and the gradient factor of ``gradients_mean``.
 
 See Note [Parallel modes on the sharding engine] in ``torchacc/parallel/__init__.py``.
 """
@@ -12,7 +11,6 @@ import math
 import torch
 
 from torchacc.parallel import context, layout
-from torchacc.parallel.context import ParallelMode
 from torchacc.parallel.ops import Primitive
 
 
@@ -80,7 +78,7 @@ def shard(module, in_strategy, out_strategy=None, parameter_plan=None, *, _by_se
     return module
 
 
-def _place_params(module, plan, matrix):
+def place_params(module, plan, matrix):
     for name, strategy in plan.params.items():
         p = module.get_parameter(name)
         if p.device.type != "torchacc":
@@ -107,7 +105,7 @@ def _shard_inputs(module, args):
         return None
     matrix = context.device_matrix()
     if not plan.placed:
-        _place_params(module, plan, matrix)
+        place_params(module, plan, matrix)
     _lay_out(args, plan.inputs, plan.owner, matrix)
     return None
 
@@ -133,17 +131,6 @@ def model_parallel_size(model):
     return mp
 
 
-def _name(model):
-    for mod_name, m in model.named_modules():
-        m._torchacc_name = mod_name or type(model).__name__
-        plan = getattr(m, "_torchacc_shard", None)
-        if plan is not None:
-            plan.owner = m._torchacc_name
-        for attr, v in vars(m).items():
-            if isinstance(v, Primitive) and "-op" in v.name:
-                v.name = f"{mod_name + '.' if mod_name else ''}{attr} ({type(v).__name__})"
-
-
 def gradient_scale():
     """The factor between XLA's exact gradient of the written loss and MindSpore's per-device
     gradient combined by ``gradients_mean`` (Note [Parallel modes on the sharding engine])."""
@@ -152,70 +139,3 @@ def gradient_scale():
     if context.option("loss_reduction") == "mean":
         return 1.0 if mean else float(d)
     return 1.0 / d if mean else 1.0
-
-
-def parallelize(model):
-    """Apply the context's parallel mode to ``model`` (on the torchacc device): the device
-    matrix from its strategies, its parameters' layouts, its inputs split by batch, and
-    ``gradients_mean``. In STAND_ALONE it returns the model unchanged."""
-    context.freeze("parallelize()")
-    _name(model)
-    mode = context.mode()
-    if mode == ParallelMode.STAND_ALONE:
-        return model
-    if mode == ParallelMode.SEMI_AUTO_PARALLEL:
-        context.device_matrix(model_parallel_size(model))
-    elif mode == ParallelMode.DATA_PARALLEL:
-        context.device_matrix(1)
-    if context.option("parameter_broadcast"):
-        _broadcast_parameters(model)
-    state = {"first": True}
-
-    def split_inputs(module, args):
-        if state["first"]:
-            state["first"] = False
-            context.freeze("the first training step")
-            if mode == ParallelMode.AUTO_PARALLEL:
-                from torchacc.parallel import auto
-
-                auto.search(model, args)
-        matrix = context.device_matrix()
-        for t in args:
-            layout.split_batch(t, f"{type(model).__name__} input", matrix)
-        return None
-
-    model.register_forward_pre_hook(split_inputs)
-    if mode == ParallelMode.SEMI_AUTO_PARALLEL:
-        matrix = context.device_matrix()
-        for m in model.modules():
-            plan = getattr(m, "_torchacc_shard", None)
-            if plan is not None and not plan.placed and _on_device(m):
-                _place_params(m, plan, matrix)
-    for p in model.parameters():
-        if p.requires_grad:
-            p.register_hook(_scale_gradient)
-    return model
-
-
-def _scale_gradient(grad):
-    scale = gradient_scale()
-    return grad if scale == 1.0 else grad * scale
-
-
-def _on_device(module):
-    return all(p.device.type == "torchacc" for p in module.parameters())
-
-
-def _broadcast_parameters(model):
-    """``parameter_broadcast``: process 0's initial weights everywhere. One process drives all
-    its devices with one copy, so this matters only across processes (JAX's broadcast)."""
-    import jax
-
-    if jax.process_count() == 1:
-        return
-    from jax.experimental import multihost_utils
-
-    with torch.no_grad():
-        for p in model.parameters():
-            host = p.detach().cpu().numpy()
-            p.copy_(torch.from_numpy(multihost_utils.broadcast_one_to_all(host)))

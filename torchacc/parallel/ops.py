@@ -84,7 +84,7 @@ class Primitive:
     def _lay_out(self, tensors):
         matrix = context.device_matrix()
         labels = self.labels([t.dim() for t in tensors])
-        for t, s, lab in zip(tensors, self.strategy, labels):
+        for t, s in zip(tensors, self.strategy):
             if len(s) != t.dim():
                 raise ValueError(
                     f"{self.name}: strategy {self.strategy} has {len(s)} entries for an input of "
@@ -95,7 +95,7 @@ class Primitive:
         axes_of, left = layout.assign_axes(self.name, order, matrix)
         activations = [i for i, t in enumerate(tensors) if not layout.is_parameter(t)]
         batch_label = labels[activations[0]][0] if activations and labels[activations[0]] else None
-        for i, (t, s, lab) in enumerate(zip(tensors, self.strategy, labels)):
+        for t, s, lab in zip(tensors, self.strategy, labels):
             param = layout.is_parameter(t)
             layout.check_against(self.name, s, t.shape, "parameter" if param else "an input")
             batch = left if not param and lab and lab[0] == batch_label else ()
