@@ -336,3 +336,27 @@ def test_checkpoint_slices_merge_and_match_the_merged_file(tmp_path):
         json.dump(losses, f)
     with pytest.raises(ValueError, match=r"device\(s\) \[2\] \(of 4 saved\)"):
         par.load_distributed_checkpoint(model, [f for f in files if not f.endswith("_2.ckpt")])
+
+
+def test_strategy_file_shards_the_layers_it_names(tmp_path):
+    from gallery.gpt.model import build_gpt
+
+    path = tmp_path / "gpt.yaml"
+    path.write_text(
+        "h.*.attn.c_attn: {weight: [2, 1], bias: [2]}\n"
+        "h.*.mlp.c_proj: {weight: [1, 2]}\n"
+        "lm_head: {in_strategy: [[2, 1, 1]]}\n"
+    )
+    model = build_gpt("gpt-tiny")
+    done = par.apply_strategies(model, par.load_strategy_file(str(path)), str(path))
+    assert done == ["h.0.attn.c_attn", "h.1.attn.c_attn", "h.0.mlp.c_proj", "h.1.mlp.c_proj"] + [
+        "lm_head"
+    ]
+    assert model.h[1].attn.c_attn._torchacc_shard.params == {"weight": (2, 1), "bias": (2,)}
+    assert model.lm_head._torchacc_shard.inputs == ((2, 1, 1),)
+    path.write_text("h.*.attn.qkv: {weight: [2, 1]}\n")
+    with pytest.raises(ValueError, match=r"gpt.yaml: 'h.\*.attn.qkv' names no module of GPT"):
+        par.apply_strategies(model, par.load_strategy_file(str(path)), str(path))
+    path.write_text("lm_head: [2, 1]\n")
+    with pytest.raises(ValueError, match="'lm_head' must map parameter names to strategies"):
+        par.load_strategy_file(str(path))

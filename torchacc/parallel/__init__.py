@@ -54,8 +54,13 @@ from torchacc.parallel.context import (
 )
 from torchacc.parallel.module import gradient_scale, shard
 from torchacc.parallel.parallelize import parallelize
+from torchacc.parallel.sampler import DistributedSampler
+from torchacc.parallel.strategy_file import apply_strategies, load_strategy_file
 
 __all__ = [
+    "DistributedSampler",
+    "apply_strategies",
+    "load_strategy_file",
     "ParallelMode",
     "get_auto_parallel_context",
     "get_group_size",

@@ -11,7 +11,7 @@ import torch
 
 from torchacc.parallel import auto, context, layout
 from torchacc.parallel.context import ParallelMode
-from torchacc.parallel.module import place_params, gradient_scale, model_parallel_size
+from torchacc.parallel.module import gradient_scale, model_parallel_size, place_params
 from torchacc.parallel.ops import Primitive
 
 
