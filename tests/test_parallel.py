@@ -70,3 +70,66 @@ def test_sampler_shards_as_torch_and_global_batches_put_shard_d_on_device_d():
         DistributedSampler(data, num_shards=4, shard_id=4)
     with pytest.raises(ValueError, match="batch_size=6 does not split into 4 shards"):
         next(sampler.global_batches(6))
+
+
+def _launch(tmp_path, name, *flags, **env_extra):
+    import subprocess
+
+    from distributed_launch import env
+
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "launch_single_task.py",
+            "--nproc_per_node=1",
+            "--model=gpt-tiny",
+            "--batch_size=8",
+            "--max_steps=4",
+            "--amp_level=O0",
+            f"--output={out}",
+            *flags,
+        ],
+        env=env(TORCHACC_CACHE_DIR="off", **env_extra),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
+
+
+@pytest.mark.slow
+def test_launcher_semi_auto_with_a_strategy_file_matches_eager(tmp_path):
+    """--compiler-opt --parallel_mode semi_auto --strategy_file on 4 CPU devices trains gpt-tiny
+    with the eager single-process run's losses; bad flags are one-line errors (exit 2)."""
+    strategy = "gallery/gpt/strategy_semi_auto.yaml"
+    proc, semi = _launch(
+        tmp_path,
+        "semi",
+        "--compiler-opt",
+        "--parallel_mode=semi_auto",
+        f"--strategy_file={strategy}",
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=4,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert f"parallel: {strategy} shards 8 layers" in log
+    assert "parallel: mode semi_auto on 4 devices; parameter bytes per device" in log
+    proc, eager = _launch(tmp_path, "eager")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(semi["losses"]) == 4
+    for a, b in zip(semi["losses"], eager["losses"]):
+        assert abs(a - b) <= 1e-5, (semi["losses"], eager["losses"])
+    for flags, message in (
+        (("--parallel_mode=semi_auto",), "--parallel_mode runs one lazy process per node"),
+        ((f"--strategy_file={strategy}",), "--strategy_file needs --parallel_mode semi_auto"),
+        (
+            ("--compiler-opt", "--parallel_mode=semi_auto", "--strategy_file=nope.yaml"),
+            "--strategy_file nope.yaml: no such file",
+        ),
+        (("--compiler-opt", "--parallel_mode=semi", "--fsdp"), "invalid choice: 'semi'"),
+    ):
+        proc, _ = _launch(tmp_path, "bad", *flags)
+        assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])

@@ -49,22 +49,38 @@ def parallelize(model):
             context.freeze("the first training step")
             if mode == ParallelMode.AUTO_PARALLEL:
                 auto.search(model, args)
+                _onto_matrix(model, context.device_matrix())
         matrix = context.device_matrix()
         for t in args:
             layout.split_batch(t, f"{type(model).__name__} input", matrix)
         return None
 
     model.register_forward_pre_hook(split_inputs)
-    if mode == ParallelMode.SEMI_AUTO_PARALLEL:
+    if mode != ParallelMode.AUTO_PARALLEL:
         matrix = context.device_matrix()
         for m in model.modules():
             plan = getattr(m, "_torchacc_shard", None)
-            if plan is not None and not plan.placed and _on_device(m):
+            if plan is not None and not plan.placed and _on_device(m) and context.uses_strategies():
                 place_params(m, plan, matrix)
+        _onto_matrix(model, matrix)
     for p in model.parameters():
         if p.requires_grad:
             p.register_hook(_scale_gradient)
     return model
+
+
+def _onto_matrix(model, matrix):
+    """Replicated parameters and buffers onto the device matrix's mesh: one mesh for every
+    array of the step (JAX names the layouts of the step's new results on its inputs' mesh)."""
+    from torchacc.distributed import sharding as engine
+
+    for t in (*model.parameters(), *model.buffers()):
+        if t.device.type != "torchacc":
+            continue
+        s = engine.sharding_of(t)
+        if s is None or (s.mesh != matrix.mesh and all(e is None for e in s.spec)):
+            spec = (None,) * t.dim()
+            engine.mark(t, engine.named_sharding(matrix.mesh, spec, tuple(t.shape)), "parallelize")
 
 
 def _scale_gradient(grad):
