@@ -30,6 +30,8 @@ def parallelize(model):
     """Apply the context's parallel mode to ``model`` (on the torchacc device): the device
     matrix from its strategies, its parameters' layouts, its inputs split by batch, and
     ``gradients_mean``. In STAND_ALONE it returns the model unchanged."""
+    if getattr(model, "_torchacc_parallelized", False):
+        return model  # its hooks are in place already
     context.freeze("parallelize()")
     _name(model)
     mode = context.mode()
@@ -56,6 +58,7 @@ def parallelize(model):
         return None
 
     model.register_forward_pre_hook(split_inputs)
+    model._torchacc_parallelized = True
     if mode != ParallelMode.AUTO_PARALLEL:
         matrix = context.device_matrix()
         for m in model.modules():
