@@ -360,3 +360,46 @@ def test_strategy_file_shards_the_layers_it_names(tmp_path):
     path.write_text("lm_head: [2, 1]\n")
     with pytest.raises(ValueError, match="'lm_head' must map parameter names to strategies"):
         par.load_strategy_file(str(path))
+
+
+def test_every_op_with_a_strategy_matches_eager_forward_and_backward():
+    # gradients_mean=True: the whole batch's gradient (False would be dp = 2 times it)
+    par.set_auto_parallel_context(parallel_mode="semi_auto_parallel", gradients_mean=True)
+
+    class OpsNet(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(torch.randn(32, 16))
+            self.w = torch.nn.Parameter(torch.randn(16, 16) * 0.3)
+            self.b = torch.nn.Parameter(torch.randn(16))
+            self.gather = ops.Gather().shard(((2, 1), (1, 1)))  # vocabulary over 2 devices
+            self.bmm = ops.BatchMatMul().shard(((1, 1, 2), (2, 1)))  # contracted dim split
+            self.add = ops.Add().shard(((1, 1, 2), (2,)))
+            self.softmax = ops.Softmax().shard(((1, 1, 2),))
+            self.relu = ops.ReLU().shard(((2, 1, 1),))
+            self.mul = ops.Mul().shard(((2, 1, 1), (2, 1, 1)))
+            self.gelu = ops.Gelu().shard(((1, 2, 1),))
+            self.reduce = ops.ReduceSum().shard(((1, 2, 1),))
+            self.mm = ops.MatMul(transpose_b=True).shard(((1, 1), (2, 1)))  # w as bmm splits it
+
+        def forward(self, idx):
+            h = self.add(self.bmm(self.gather(self.table, idx), self.w), self.b)
+            h = self.gelu(self.mul(self.relu(h), self.softmax(h)))
+            return self.mm(self.reduce(h, 1), self.w)
+
+    torch.manual_seed(0)
+    ref = OpsNet()
+    net = OpsNet()
+    net.load_state_dict(ref.state_dict())
+    net = par.parallelize(net.to(DEV))
+    idx = torch.randint(0, 32, (8, 6))
+    out = net(idx.to(DEV))
+    out.pow(2).mean().backward()
+    torchacc.sync()
+    expect = ref(idx)
+    expect.pow(2).mean().backward()
+    assert torch.allclose(out.cpu(), expect, atol=1e-5, rtol=1e-5)
+    for (name, p), q in zip(net.named_parameters(), ref.parameters()):
+        assert torch.allclose(p.grad.cpu(), q.grad, atol=1e-5, rtol=1e-5), name
+    assert [tuple(s[0].shape) for s in engine.local_shards(net.table)] == [(16, 16)] * 4
+    assert [tuple(s[0].shape) for s in engine.local_shards(net.w)] == [(8, 16)] * 4

@@ -47,3 +47,11 @@ def test_slices_of_4_devices_reload_on_2_and_training_continues():
         expect = json.load(f)
     losses = [ckpt_model.step(model, opt, i, DEV, torchacc.sync) for i in (3, 4)]
     assert all(abs(a - b) <= 1e-5 for a, b in zip(losses, expect)), (losses, expect)
+    # predict_strategy: a model with no plan of its own takes the layout it names
+    other = ckpt_model.Wide().to(DEV)
+    par.load_distributed_checkpoint(other, files, predict_strategy={"fc1.weight": (1, 2)})
+    assert [tuple(s[0].shape) for s in engine.local_shards(other.fc1.weight)] == [(256, 32)] * 2
+    for name, t in other.state_dict().items():
+        assert torch.equal(t.cpu(), full[name]), name
+    with pytest.raises(ValueError, match=r"predict_strategy\['fc2.weight'\]: strategy \(3, 1\)"):
+        par.load_distributed_checkpoint(other, files, predict_strategy={"fc2.weight": (3, 1)})

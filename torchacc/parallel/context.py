@@ -197,11 +197,12 @@ class DeviceMatrix:
 
 
 def device_matrix(mp=None):
-    """The fixed device matrix; the first call fixes it with ``mp`` model-parallel devices."""
+    """The fixed device matrix; the first call fixes it with ``mp`` model-parallel devices (a
+    later model's ``mp`` must divide it)."""
     if _ctx.matrix is None:
         n = get_group_size()
         _ctx.matrix = DeviceMatrix(n, mp or 1)
-    elif mp is not None and mp != _ctx.matrix.mp:
+    elif mp is not None and _ctx.matrix.mp % mp:
         raise ValueError(
             f"torchacc.parallel: the device matrix is already fixed at {_ctx.matrix}; a second "
             f"model needs model_parallel={mp}: call reset_auto_parallel_context() between networks"
