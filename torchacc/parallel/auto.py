@@ -2,9 +2,10 @@
 strategy table that says what it chose and why.
 
 Note [The auto-parallel search]
-JAX exposes XLA's auto-sharding only on TPU (``jax.jit(..., auto_spmd)`` is not supported on the
-CPU or GPU platforms), so the search is our own and deliberately small. It runs at the model's
-first forward (the first input gives the tokens per step):
+The JAX this project uses (0.10) has no entry point to XLA's auto-sharding pass
+(``jax.sharding.AUTO`` of older releases, which served TPU only, is gone; checked: it does not
+import), so the search is our own and deliberately small. It runs at the model's first forward
+(the first input gives the tokens per step):
 
 - Candidates. Each ``nn.Linear`` may stay replicated (``dp``), split its output features
   (``col``: weight ``(mp, 1)``, bias ``(mp,)``) or its input features (``row``: weight
