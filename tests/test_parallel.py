@@ -133,3 +133,50 @@ def test_launcher_semi_auto_with_a_strategy_file_matches_eager(tmp_path):
     ):
         proc, _ = _launch(tmp_path, "bad", *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_two_processes_broadcast_parameters_train_and_write_their_own_slices(tmp_path):
+    """torchrun, 2 processes x 2 CPU devices: parameter_broadcast gives both ranks rank 0's
+    weights, DATA_PARALLEL over the 4 devices sums the slice gradients as eager does, and each
+    process writes the slice files of its own two devices (which merge into the model)."""
+    import subprocess
+
+    from distributed_launch import env, free_port
+
+    out = tmp_path / "r"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            "--master_addr=127.0.0.1",
+            f"--master_port={free_port()}",
+            os.path.join(os.path.dirname(__file__), "spmd_cases", "mp_parallel_worker.py"),
+            str(out),
+        ],
+        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2),
+        capture_output=True,
+        text=True,
+        timeout=400,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
+    assert [(r["rank"], r["size"]) for r in results] == [(0, 4), (2, 4)]
+    assert [r["files"] for r in results] == [
+        ["device_0.ckpt", "device_1.ckpt"],
+        ["device_2.ckpt", "device_3.ckpt"],
+    ]
+    for r in results:
+        assert r["broadcast_err"] == 0.0, r
+        assert r["param_err"] <= 1e-5, r
+        assert all(abs(a - b) <= 1e-5 for a, b in r["losses"]), r["losses"]
+    import ckpt_model
+
+    import torchacc.parallel as par
+
+    merged = par.load_checkpoint(str(tmp_path / "r.slices"))
+    assert set(merged) == set(ckpt_model.Wide().state_dict())

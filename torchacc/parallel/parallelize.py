@@ -96,15 +96,29 @@ def _on_device(module):
 
 
 def _broadcast_parameters(model):
-    """``parameter_broadcast``: process 0's initial weights everywhere. One process drives all
-    its devices with one copy, so this matters only across processes (JAX's broadcast)."""
+    """``parameter_broadcast``: process 0's initial weights everywhere. One process holds one
+    copy for all its devices, so this matters across processes only: each process's copy goes
+    through JAX's ``broadcast_one_to_all`` and back, in the parameter's layout."""
     import jax
 
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
+    from torchacc.distributed import sharding as engine
+
     with torch.no_grad():
-        for p in model.parameters():
-            host = p.detach().cpu().numpy()
-            p.copy_(torch.from_numpy(multihost_utils.broadcast_one_to_all(host)))
+        for p in (*model.parameters(), *model.buffers()):
+            if p.device.type != "torchacc":
+                continue
+            local = engine.local_shards(p)[0][0]
+            if tuple(local.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"parameter_broadcast: a parameter of shape {tuple(p.shape)} is already "
+                    "split; broadcast happens before strategies lay parameters out"
+                )
+            before = engine.sharding_of(p)
+            host = multihost_utils.broadcast_one_to_all(local.numpy())
+            p.copy_(torch.from_numpy(host))
+            if before is not None and engine.sharding_of(p) != before:
+                engine.mark(p, before, "parameter_broadcast")
