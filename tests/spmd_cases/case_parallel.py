@@ -119,7 +119,8 @@ def _mlp_batch(step):
 
 def _mlp_plan(model):
     par.shard(model.fc1, None, parameter_plan={"weight": (2, 1), "bias": (2,)})
-    par.shard(model.fc2, None, parameter_plan={"weight": (1, 2)})
+    # its input's features over 2 devices, its output's batch over 2 more (4 batch slices)
+    par.shard(model.fc2, ((1, 2),), out_strategy=((2, 1),), parameter_plan={"weight": (1, 2)})
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -142,6 +143,8 @@ def test_mlp_every_mode_matches_eager_for_both_gradients_mean(mode):
         if mode == "semi_auto_parallel":  # the module-level parameter plans
             assert [s[0].shape for s in engine.local_shards(model.fc1.weight)] == [(16, 16)] * 4
             assert [s[0].shape for s in engine.local_shards(model.fc2.weight)] == [(16, 16)] * 4
+            h = model.fc2(torch.randn(64, 32).to(DEV))  # out_strategy: a constraint on it
+            assert tuple(engine.sharding_of(h).spec) == (("dp0", "mp0"), None)
     if _dp_degree() > 1:  # summing the slice gradients is a different training run
         assert results[True][-1] != results[False][-1]
 

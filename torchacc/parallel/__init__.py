@@ -30,6 +30,12 @@ torchacc/runtime/mesh.py) and XLA's SPMD partitioner inserts the collectives.
   the ``dp`` slice gradients is the whole-batch gradient, and the sum is ``dp`` times it; for a
   summed loss (``loss_reduction="sum"``) the sum is the whole-batch gradient and the mean is
   ``1/dp`` of it. ``parallelize`` registers a gradient hook on each parameter with that factor.
+- One mesh. ``parallelize`` also re-lays the model's replicated tensors on the device matrix's
+  mesh: JAX names the layouts of a step's new results (optimizer state) on its inputs' mesh,
+  and a step mixing two meshes over the same devices fails there.
+- Processes. ``parameter_broadcast=True`` gives every process rank 0's initial weights (JAX's
+  ``broadcast_one_to_all``); within a process there is one copy for all its devices anyway.
+  Every process feeds the same global batch (``DistributedSampler.global_batches``).
 - Order. The context is set before ``shard()`` and before the first step of a parallelized
   model (it fixes the device matrix); a later ``set_auto_parallel_context`` is an error until
   ``reset_auto_parallel_context()``. STAND_ALONE changes nothing (strategies are ignored there,
