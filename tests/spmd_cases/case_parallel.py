@@ -242,6 +242,10 @@ def test_context_defaults_modes_and_order():
     assert par.get_auto_parallel_context("parallel_mode") == par.ParallelMode.STAND_ALONE
     assert par.get_auto_parallel_context("gradients_mean") is False
     assert par.get_auto_parallel_context("parameter_broadcast") is False
+    # touching the device and eager backward passes before the context are fine
+    w = torch.ones(3, requires_grad=True)
+    (w * 2).sum().backward()
+    assert torch.equal((torch.ones(3).to(DEV) * 2).cpu(), w.grad)
     par.set_auto_parallel_context(parallel_mode="data_parallel", gradients_mean=True)
     assert par.get_auto_parallel_context("parallel_mode") == par.ParallelMode.DATA_PARALLEL
     assert par.get_auto_parallel_context("device_num") == 4
