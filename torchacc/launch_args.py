@@ -202,6 +202,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fsdp --compiler-opt: a 2-D data x fsdp mesh (e.g. 2,2); default 1,<devices>",
     )
     g.add_argument(
+        "--parallel_mode",
+        choices=("data_parallel", "semi_auto", "auto"),
+        default=None,
+        help="with --compiler-opt: torchacc.parallel's MindSpore-style mode over every device "
+        "this process drives (one process per node; on a CPU set CPU_NUM_DEVICES=N)",
+    )
+    g.add_argument(
+        "--strategy_file",
+        default=None,
+        metavar="YAML",
+        help="with --parallel_mode semi_auto/auto: layer name -> strategy, e.g. "
+        "'h.*.mlp.c_fc: {weight: [2, 1], bias: [2]}'",
+    )
+    g.add_argument(
+        "--device_memory_budget",
+        type=int,
+        default=None,
+        metavar="BYTES",
+        help="with --parallel_mode auto: per-device bytes the searched layout must fit",
+    )
+    g.add_argument(
         "--kernel-opt",
         "--kernel_opt",
         dest="kernel_opt",
@@ -367,7 +388,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_fsdp(parser, args)
     if args.profile is not None and args.profile_dir is None:
         args.profile_dir = args.tensorboard  # None too: observe_errors says what is missing
+    _check_parallel(parser, args)
     return args
+
+
+def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """--parallel_mode: the lazy compiler path, one process per node, not with --fsdp;
+    --strategy_file and --device_memory_budget only with the modes that use them."""
+    mode = args.parallel_mode
+    if args.strategy_file is not None and mode not in ("semi_auto", "auto"):
+        parser.error("--strategy_file needs --parallel_mode semi_auto or auto")
+    if args.device_memory_budget is not None and mode != "auto":
+        parser.error("--device_memory_budget needs --parallel_mode auto")
+    if mode is None:
+        return
+    if not args.compiler_opt or args.compile_mode != "lazy" or args.nproc_per_node != 1:
+        parser.error(
+            "--parallel_mode runs one lazy process per node that drives all its devices "
+            "(--compiler-opt, --nproc_per_node=1, --compile_mode=lazy)"
+        )
+    if args.fsdp:
+        parser.error("--parallel_mode and --fsdp are two ways to shard: pick one")
+    if args.strategy_file is not None and not os.path.isfile(args.strategy_file):
+        parser.error(f"--strategy_file {args.strategy_file}: no such file")
 
 
 def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

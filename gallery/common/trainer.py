@@ -401,6 +401,38 @@ def _log_sharded_memory(logger, model, optimizer):
     logger.info(f"fsdp: bytes per device after step 2: {', '.join(parts)}")
 
 
+def _parallel_context(args):
+    import torchacc.parallel as par
+
+    par.init()
+    mode = {"semi_auto": "semi_auto_parallel", "auto": "auto_parallel"}
+    par.set_auto_parallel_context(
+        parallel_mode=mode.get(args.parallel_mode, args.parallel_mode),
+        gradients_mean=True,  # the mean loss's gradient, as the single-device run
+        device_memory_budget=getattr(args, "device_memory_budget", None),
+    )
+
+
+def _parallelize(model, args, logger):
+    """--parallel_mode: the strategy file's layers sharded, then the mode applied (inputs split
+    by batch); logs each device's bytes of parameters."""
+    import torchacc.parallel as par
+    from torchacc.distributed import sharding
+
+    if args.strategy_file:
+        strategies = par.load_strategy_file(args.strategy_file)
+        done = par.apply_strategies(model, strategies, args.strategy_file)
+        logger.info(f"parallel: {args.strategy_file} shards {len(done)} layers")
+    model = par.parallelize(model)
+    per_device = sharding.per_device_bytes(list(model.parameters()))
+    logger.info(
+        f"parallel: mode {args.parallel_mode} on {par.get_group_size()} devices; parameter "
+        f"bytes per device {max(per_device.values()) if per_device else 0:,} "
+        f"(unsharded {sum(p.numel() * p.element_size() for p in model.parameters()):,})"
+    )
+    return model
+
+
 def _shard_batch(mesh, *tensors):
     import torchacc.torch_xla.distributed.spmd as xs
 
@@ -423,6 +455,10 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         import torchacc.torch_xla.runtime as xr
 
         xr.use_spmd()
+    parallel = getattr(args, "parallel_mode", None) if compiler else None
+    if parallel:  # torchacc.parallel: its context before the device is first used
+        _parallel_context(args)
+    sharded = fsdp or bool(parallel)  # XLA's partitioner reduces the gradients
     if compiler:
         # torchacc: the TorchAcc recipe's imports, unchanged but for the package name.
         import torchacc.torch_xla.core.xla_model as xm
@@ -456,6 +492,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         spmd_mesh = _shard_fsdpv2(model, args, logger) if fsdp else None
         if spmd_mesh is not None:
             model = spmd_mesh[1]
+        if parallel:
+            model = _parallelize(model, args, logger)
         xm.mark_step()
         if xm.xla_device_hw(device) == "GPU":
             set_peak_memory_fn(_xla_peak_memory_fn(xm, device), "xla")
@@ -721,14 +759,14 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 optimizer.zero_grad(set_to_none=True)
                 if scaler is not None:
                     scaler.scale(loss).backward()
-                    if compiler and not fsdp:  # FSDPv2: XLA's partitioner reduces gradients
+                    if compiler and not sharded:  # SPMD: XLA's partitioner reduces gradients
                         gradients = xm._fetch_gradients(optimizer)
                         xm.all_reduce("sum", gradients, scale=1.0 / world_size)
                     scaler.step(optimizer)
                     scaler.update()
                 else:
                     loss.backward()
-                    if compiler and not fsdp:  # FSDPv2: XLA's partitioner reduces gradients
+                    if compiler and not sharded:  # SPMD: XLA's partitioner reduces gradients
                         gradients = xm._fetch_gradients(optimizer)
                         xm.all_reduce("sum", gradients, scale=1.0 / world_size)
                     optimizer.step()
