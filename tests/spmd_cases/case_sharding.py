@@ -293,3 +293,23 @@ def test_fsdpv2_with_gradient_checkpointing_and_auto_wrap():
         assert abs(loss.item() - rloss.item()) <= 1e-6
     _params_close(model, ref, 1e-6)
     assert _XLAC._get_xla_sharding_spec(model.module[0].fc.weight) == "{devices=[4,1]0,1,2,3}"
+
+
+def test_a_step_mixing_two_meshes_runs_on_the_last_one():
+    """Data laid out on one mesh meets data sharded on another mesh over the same devices: the
+    step runs on the last mesh used (replicated data is re-laid out) and gives the eager
+    result; a split along an axis that mesh lacks is a ValueError naming both meshes."""
+    a, b = torch.randn(8, 4), torch.randn(8, 4)
+    ad = a.to(DEV)
+    xs.mark_sharding(ad, xs.get_1d_mesh("x"), (None, None))  # replicated on a 1-D mesh
+    bd = b.to(DEV)
+    mesh2 = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    xs.mark_sharding(bd, mesh2, ("data", "model"))
+    out = (ad * bd + 1).sum(1)
+    torchacc.sync()
+    assert torch.allclose(out.cpu(), (a * b + 1).sum(1), atol=1e-6)
+    cd = a.to(DEV)
+    xs.mark_sharding(cd, xs.get_1d_mesh("x"), ("x", None))
+    xs.mark_sharding(bd, mesh2, ("data", "model"))
+    with pytest.raises(ValueError, match=r"P\('x', None\) over mesh \{'x': 4\}.*'data': 2"):
+        (cd * bd).sum().item()

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import jax
 
-from torchacc.runtime import mesh
+from torchacc.runtime import mesh, processes
 
 
 def active():
@@ -36,27 +36,31 @@ def active():
 
 
 def normalize(loose):
-    """Move loose input Values whose arrays are not on the engine mesh onto it (replicated)."""
+    """Move loose input Values whose arrays are not on the engine mesh onto it: a step's
+    arrays must share one mesh (JAX cannot mix two meshes in a program, even over the same
+    devices). Replicated data and data split along axes the engine mesh has too are re-laid out;
+    anything else is an error naming both meshes."""
     engine = mesh.engine_mesh()
+    names = dict(engine.shape)
     for v in loose:
         a = v.buf
         s = getattr(a, "sharding", None)
-        if isinstance(s, jax.sharding.NamedSharding) and mesh.same_devices(s.mesh, engine):
+        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == engine:
             continue
-        if isinstance(s, jax.sharding.NamedSharding):
-            spec = s.spec
-            names = set(engine.axis_names)
-            used = {n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))}
-            if not used <= names or s.mesh.devices.shape != engine.devices.shape:
-                raise ValueError(
-                    f"torchacc SPMD: a tensor of shape {tuple(a.shape)} is sharded as {spec} over "
-                    f"mesh {dict(s.mesh.shape)} (devices {[d.id for d in s.mesh.devices.flat]}), "
-                    f"but the step runs on mesh {dict(engine.shape)} (devices "
-                    f"{[d.id for d in engine.devices.flat]}); use one mesh for a step's tensors"
-                )
-            v.buf = jax.device_put(a, jax.sharding.NamedSharding(engine, spec))
+        spec = s.spec if isinstance(s, jax.sharding.NamedSharding) else ()
+        used = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+        if any(names.get(n) != dict(s.mesh.shape)[n] for n in used):
+            raise ValueError(
+                f"torchacc SPMD: a tensor of shape {tuple(a.shape)} is sharded as {spec} over "
+                f"mesh {dict(s.mesh.shape)} (devices {[d.id for d in s.mesh.devices.flat]}), "
+                f"but the step runs on mesh {dict(engine.shape)} (devices "
+                f"{[d.id for d in engine.devices.flat]}); use one mesh for a step's tensors"
+            )
+        target = jax.sharding.NamedSharding(engine, jax.sharding.PartitionSpec(*spec))
+        if a.is_fully_addressable and not processes.spans_processes():
+            v.buf = jax.device_put(a, target)
         else:
-            v.buf = jax.device_put(a, mesh.replicated())
+            v.buf = jax.jit(lambda x: x, out_shardings=target)(a)
 
 
 def padded_shape(shape, sharding):
