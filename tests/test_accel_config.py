@@ -93,7 +93,9 @@ def test_validate_names_the_bad_field(settings, message):
         c.validate()
 
 
-@pytest.mark.parametrize("settings,message", BAD + BAD_FOR_MODEL, ids=[m for _, m in BAD + BAD_FOR_MODEL])
+@pytest.mark.parametrize(
+    "settings,message", BAD + BAD_FOR_MODEL, ids=[m for _, m in BAD + BAD_FOR_MODEL]
+)
 def test_accelerate_refuses_before_anything_happens(settings, message):
     c = ta.Config()
     for path, value in settings.items():

@@ -174,7 +174,9 @@ def accelerate(model, dataloader=None, config=None):
     if config is None:
         config = Config()
     if not isinstance(config, Config):
-        raise TypeError(f"torchacc.accelerate: config must be a torchacc.Config, got {type(config)}")
+        raise TypeError(
+            f"torchacc.accelerate: config must be a torchacc.Config, got {type(config)}"
+        )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
     sizes = config.validate_for(model, _world_size())

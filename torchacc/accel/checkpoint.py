@@ -102,7 +102,9 @@ class _Checkpoint(torch.autograd.Function):
             torch.set_rng_state(ctx.rng[1])
         try:
             with torch.enable_grad():
-                contexts = [torch.autocast(d, dtype=dt, cache_enabled=c) for d, dt, c in ctx.autocast]
+                contexts = [
+                    torch.autocast(d, dtype=dt, cache_enabled=c) for d, dt, c in ctx.autocast
+                ]
                 for c in contexts:
                     c.__enter__()
                 try:

@@ -80,7 +80,9 @@ class MemoryConfig:
         if self.gc_cnt is not None and (
             isinstance(self.gc_cnt, bool) or not isinstance(self.gc_cnt, int) or self.gc_cnt < 1
         ):
-            raise ValueError(f"Config.memory.gc_cnt must be an int >= 1 or None, got {self.gc_cnt!r}")
+            raise ValueError(
+                f"Config.memory.gc_cnt must be an int >= 1 or None, got {self.gc_cnt!r}"
+            )
         if self.gc and not self.gc_cls:
             raise ValueError(
                 "Config.memory.gc is True but Config.memory.gc_cls names no module class to "
@@ -233,7 +235,9 @@ class Config:
     def validate(self):
         """Check every field on its own; ``ValueError`` naming the first bad one."""
         if self.backend not in BACKENDS:
-            raise ValueError(f"Config.backend must be one of {list(BACKENDS)}, got {self.backend!r}")
+            raise ValueError(
+                f"Config.backend must be one of {list(BACKENDS)}, got {self.backend!r}"
+            )
         sections = (
             ("compute", ComputeConfig),
             ("memory", MemoryConfig),

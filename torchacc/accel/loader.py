@@ -29,7 +29,8 @@ length. Bucketing (TorchAcc's rule) pads each batch to one of a few lengths:
   (later batches of that length or shorter than it reuse it);
 - a tensor key missing from ``pad_value_dict`` is a ``ValueError`` naming it.
 
-``TORCHACC_DEBUG=1`` prints each batch's original and bucket length.
+``TORCHACC_DEBUG=1`` prints each batch's original and bucket length, and each new step program's
+memory (temp, argument, output bytes from its ``memory_analysis()``).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ class Bucketing:
         if buckets is None:
             buckets = uniform_buckets(max_length, num_buckets or 8)
         buckets = list(buckets)
-        if not buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets):
+        if not buckets or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
+        ):
             raise ValueError(f"bucketing: buckets must be positive ints, got {buckets}")
         if len(set(buckets)) != len(buckets):
             raise ValueError(f"bucketing: buckets hold a duplicate length: {buckets}")
@@ -185,6 +188,28 @@ def _to_device(x, device):
     return _map(lambda v: _to_device(v, device), x)
 
 
+_reported = [0]
+
+
+def _report_new_programs():
+    """``TORCHACC_DEBUG=1``: each newly built step program's memory (its ``memory_analysis()``),
+    the temp bytes being what gradient checkpointing lowers."""
+    from torchacc.program import cache
+
+    programs = list(cache._cache.values())
+    for exe in programs[_reported[0] :]:
+        stats = getattr(exe, "memory_analysis", lambda: None)()
+        if stats is not None:
+            print(
+                f"torchacc: step program memory: temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
+                f"arguments {stats.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
+                f"{stats.output_size_in_bytes / 2**20:.1f} MiB, aliased "
+                f"{stats.alias_size_in_bytes / 2**20:.1f} MiB",
+                file=sys.stderr,
+            )
+    _reported[0] = len(programs)
+
+
 class _Epoch:
     """One pass over the host loader, prefetched by a background thread."""
 
@@ -197,7 +222,9 @@ class _Epoch:
         self._loader = loader
         self._transform = transform
         self._first = True
-        self._thread = threading.Thread(target=self._work, name="torchacc-async-loader", daemon=True)
+        self._thread = threading.Thread(
+            target=self._work, name="torchacc-async-loader", daemon=True
+        )
         self._thread.start()
 
     def _put(self, item):
@@ -227,6 +254,8 @@ class _Epoch:
 
         if not self._first:
             sync()  # the step recorded on the previous batch
+            if _debug():
+                _report_new_programs()
         self._first = False
         if self._done.is_set():
             raise StopIteration
