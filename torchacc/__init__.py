@@ -27,6 +27,7 @@ from torchacc.amp import autocast_policy as _autocast_policy
 from torchacc.accel.config import Config
 from torchacc.accel.loader import AsyncLoader
 from torchacc.accel.api import accelerate, mark_dynamic
+from torchacc.accel import ops
 
 mark_step = sync
 _op_sites.install()  # TORCHACC_DEBUG=1: each recorded op knows the user's line that recorded it
@@ -63,6 +64,7 @@ __all__ = [
     "mark_dynamic",
     "mark_step",
     "metrics",
+    "ops",
     "platform",
     "sync",
     "wait_device_ops",
