@@ -1,7 +1,8 @@
 """One rank of the 2-process ``accelerate()`` data-parallel check (tests/test_accel_dp.py).
 
-Each rank trains on its half of every batch, through ``accelerate()`` with the lazy backend and
-then with the eager one (torch DDP over gloo), and writes its losses and final parameters.
+Each rank trains on its half of every batch through ``accelerate()``: the lazy backend, then the
+eager one (torch DDP over gloo), then eager FSDP2 (``fully_shard``); it writes its losses and final
+parameters.
 """
 
 import copy
@@ -52,15 +53,21 @@ def main(out):
     model = Net()
     shard = [{k: v[rank::world] for k, v in b.items()} for b in batches()]
     result = {}
-    for backend in ("lazy", "eager"):
+    for run in ("lazy", "eager", "eager-fsdp"):
+        backend = run.split("-")[0]
         config = ta.Config(backend=backend)
+        if run == "eager-fsdp":
+            config.dist.fsdp.size = 2
+            config.dist.fsdp.wrap_layer_cls = {"Linear"}
+            config.dist.fsdp.sync_module_states = True
         # lazy: accelerate() broadcasts rank 0's weights; eager: DDP does at construction
         m, loader = ta.accelerate(copy.deepcopy(model), shard, config)
         losses = train(m, loader)
-        inner = m.module if backend == "eager" else m
-        result[backend] = {
+        inner = m.module if run == "eager" else m
+        params = [getattr(p, "full_tensor", p.detach)() for p in inner.parameters()]
+        result[run] = {
             "losses": losses,
-            "params": [p.detach().cpu().flatten().tolist() for p in inner.parameters()],
+            "params": [p.detach().cpu().flatten().tolist() for p in params],
         }
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)

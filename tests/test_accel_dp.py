@@ -1,7 +1,7 @@
 """``accelerate()`` with ``dist.dp`` over 2 processes (torchrun): on the lazy backend the gradients
-are averaged by an all-reduce recorded into the step, on the eager backend by torch DDP. Either
-way the ranks' mean loss equals one process training on the full batch, and the replicas end
-identical to it (rank 0's initial weights everywhere)."""
+are averaged by an all-reduce recorded into the step, on the eager backend by torch DDP (and with
+``dist.fsdp`` sharded by FSDP2). Either way the ranks' mean loss equals one process training on
+the full batch, and the replicas end identical to it (rank 0's initial weights everywhere)."""
 
 import json
 import os
@@ -34,7 +34,7 @@ def test_two_process_data_parallel_equals_the_full_batch(tmp_path):
     model = worker.Net()  # rank 0's initial weights
     expected = worker.train(model, worker.batches())
     want_params = [p.detach().flatten().tolist() for p in model.parameters()]
-    for backend in ("lazy", "eager"):
+    for backend in ("lazy", "eager", "eager-fsdp"):
         mean = [(a + b) / 2 for a, b in zip(*(r[backend]["losses"] for r in ranks), strict=True)]
         torch.testing.assert_close(mean, expected, rtol=1e-4, atol=1e-5, msg=backend)
         assert ranks[0][backend]["params"] == ranks[1][backend]["params"], f"{backend} replicas"

@@ -27,7 +27,7 @@ Order of work (everything is checked before anything happens):
 6. ``dist``: on ``'lazy'``, ``dp`` ranks start from rank 0's parameters and every gradient is
    averaged over them by an all-reduce recorded into the step; on ``'eager'``, ``dp`` is torch
    DDP and ``fsdp`` torch FSDP2 (``fully_shard`` on the ``wrap_layer_cls`` modules, then the
-   root);
+   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not);
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing.
 """
 
@@ -155,13 +155,20 @@ def _eager(model, config, sizes):
     if dp * fsdp > 1 and not dist.is_initialized():
         dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
     if fsdp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        # an explicit mesh: FSDP2's default one would be on torch's current accelerator, which
+        # is the torchacc device once torchacc is imported
+        mesh = init_device_mesh(dev.type, (fsdp,))
+        if config.dist.fsdp.sync_module_states:  # rank 0's parameters and buffers everywhere
+            for t in (*model.parameters(), *model.buffers()):
+                dist.broadcast(t.data, 0)
         names = set(config.dist.fsdp.wrap_layer_cls)
         for m in list(model.modules())[1:]:
             if type(m).__name__ in names:
-                fully_shard(m)
-        fully_shard(model)
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     elif dp > 1:
         ids = [dev.index] if dev.type == "cuda" else None
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
