@@ -148,3 +148,33 @@ def test_debug_reports_each_new_programs_memory(monkeypatch, capfd):
     _train(model, loader)
     err = capfd.readouterr().err
     assert "torchacc: step program memory: temp " in err, err[-2000:]
+
+
+def test_fp16_with_a_grad_scaler_matches_eager_fp16():
+    """``compute.fp16``: autocast float16 forward, fp32 weights; ``ta.amp.GradScaler`` with a
+    syncfree optimizer on the lazy backend, torch's own on the eager one."""
+    torch.manual_seed(0)
+    base = Stack(layers=2)
+    data = _data(2)
+    runs = {}
+    for backend in ("eager", "lazy"):
+        config = ta.Config(backend=backend)
+        config.compute.fp16 = True
+        model, loader = ta.accelerate(copy.deepcopy(base), data, config)
+        if backend == "lazy":
+            opt = ta.amp.syncfree.SGD(model.parameters(), lr=0.1)
+            scaler = ta.amp.GradScaler(init_scale=2.0**8)
+        else:
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+        losses = []
+        for batch in loader:
+            loss = model(**batch)
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        runs[backend] = [float(t) for t in losses]
+        assert all(p.dtype == torch.float32 for p in model.parameters())
+    torch.testing.assert_close(runs["lazy"], runs["eager"], rtol=1e-2, atol=0)
