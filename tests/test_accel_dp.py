@@ -9,12 +9,14 @@ import subprocess
 import sys
 
 import accel_dp_worker as worker
+import pytest
 import torch
 from distributed_launch import env, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
+@pytest.mark.slow
 def test_two_process_data_parallel_equals_the_full_batch(tmp_path):
     out = tmp_path / "result"
     cmd = [
