@@ -179,3 +179,27 @@ def test_fp16_with_a_grad_scaler_matches_eager_fp16():
         runs[backend] = [float(t) for t in losses]
         assert all(p.dtype == torch.float32 for p in model.parameters())
     torch.testing.assert_close(runs["lazy"], runs["eager"], rtol=1e-2, atol=0)
+
+
+def test_acc_scaled_dot_attn_routes_sdpa_inside_the_forward_only(monkeypatch):
+    import torchacc_ops
+
+    calls = []
+    real = torchacc_ops.flash_attention
+
+    def counting(*args, **kwargs):
+        calls.append(kwargs["causal"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torchacc_ops, "flash_attention", counting)
+
+    class Attn(nn.Module):
+        def forward(self, q):
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    config = ta.Config(backend="eager")
+    config.compute.acc_scaled_dot_attn = True
+    model = ta.accelerate(Attn(), config=config)
+    q = torch.randn(1, 2, 4, 8)
+    torch.testing.assert_close(model(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
+    assert calls == [True], "the model's SDPA ran as flash_attention"
