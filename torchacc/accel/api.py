@@ -95,7 +95,7 @@ def _wrap_forward(module, autocast_device, dtype, sdpa):
     def forward(*args, **kwargs):
         original = F.scaled_dot_product_attention
         if sdpa:
-            F.scaled_dot_product_attention = _sdpa_as_flash_attention
+            F.scaled_dot_product_attention = _sdpa_as_flash_attention(original)
         try:
             if dtype is None:
                 return inner(*args, **kwargs)
@@ -107,14 +107,21 @@ def _wrap_forward(module, autocast_device, dtype, sdpa):
     module.forward = forward
 
 
-def _sdpa_as_flash_attention(
-    query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
-):
+def _sdpa_as_flash_attention(original):
+    """SDPA's signature over torchacc_ops.flash_attention (whose eager path calls the original
+    SDPA: it is put back during the call)."""
     import torchacc_ops
 
-    return torchacc_ops.flash_attention(
-        query, key, value, causal=is_causal, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
-    )
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        F.scaled_dot_product_attention = original
+        try:
+            return torchacc_ops.flash_attention(
+                q, k, v, causal=is_causal, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+            )
+        finally:
+            F.scaled_dot_product_attention = sdpa
+
+    return sdpa
 
 
 def _average_gradients_over(module, dp):
