@@ -203,3 +203,25 @@ def test_acc_scaled_dot_attn_routes_sdpa_inside_the_forward_only(monkeypatch):
     q = torch.randn(1, 2, 4, 8)
     torch.testing.assert_close(model(q), F.scaled_dot_product_attention(q, q, q, is_causal=True))
     assert calls == [True], "the model's SDPA ran as flash_attention"
+
+
+def test_checkpoint_gives_keyword_tensors_their_gradients():
+    from torchacc.accel.checkpoint import checkpoint
+
+    dev = ta.device()
+    lin = nn.Linear(4, 4).to(dev)
+
+    def f(x, *, y, scale):
+        return (lin(x) * y * scale).tanh()
+
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        x = torch.randn(2, 4).to(dev).requires_grad_(True)
+        y = torch.randn(2, 4).to(dev).requires_grad_(True)
+        out = checkpoint(f, x, y=y, scale=3.0) if ckpt else f(x, y=y, scale=3.0)
+        out.sum().backward()
+        grads.append([x.grad.cpu(), y.grad.cpu()])
+        lin.zero_grad()
+    for a, b in zip(*grads, strict=True):
+        torch.testing.assert_close(a, b)

@@ -132,10 +132,18 @@ class _Checkpoint(torch.autograd.Function):
 
 def checkpoint(function, *args, preserve_rng_state=True, **kwargs):
     """Run ``function(*args, **kwargs)`` keeping none of its activations; they are recomputed in
-    backward behind an optimization barrier (Note [Checkpointing that saves memory]). Gradients
-    flow to the tensors in ``args`` and to the parameters ``function`` uses; tensors passed in
-    ``kwargs`` are treated as constants."""
-    run = (lambda *a: function(*a, **kwargs)) if kwargs else function
+    backward behind a fence (Note [Checkpointing that saves memory]). Gradients flow to the
+    tensors in ``args`` and ``kwargs`` and to the parameters ``function`` uses."""
+    run = function
+    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
+    if kwargs:  # keyword tensors travel as arguments too (saved, fenced, given gradients)
+        n = len(args)
+        rest = {k: v for k, v in kwargs.items() if k not in names}
+
+        def run(*a):
+            return function(*a[:n], **rest, **dict(zip(names, a[n:], strict=True)))
+
+        args = (*args, *(kwargs[k] for k in names))
     # the output needs a grad_fn even when no tensor in ``args`` requires grad (the parameters
     # ``function`` uses are not arguments): a CPU scalar that requires grad, given no gradient
     return _Checkpoint.apply(run, preserve_rng_state, _NEEDS_GRAD, *args)
