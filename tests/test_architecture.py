@@ -18,7 +18,16 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 STAGES = [
     ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
     ("launcher", ["torchacc.launch", "torchacc.launch_args"]),
-    ("libraries", ["torchacc.amp", "torchacc.distributed", "torchacc.parallel", "torchacc_ops"]),
+    (
+        "libraries",
+        [
+            "torchacc.accel",
+            "torchacc.amp",
+            "torchacc.distributed",
+            "torchacc.parallel",
+            "torchacc_ops",
+        ],
+    ),
     ("frontends", ["torchacc.lazy", "torchacc.dynamo"]),
     ("engine", ["torchacc.engine"]),
     ("program", ["torchacc.program"]),

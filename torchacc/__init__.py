@@ -7,6 +7,7 @@ Public API::
     torchacc.sync(wait=True)         # ... and wait for the device
     step = torchacc.compile(train_step)  # trace once: the whole step as one program
     torchacc.metrics.metrics_report()
+    model, loader = torchacc.accelerate(model, loader, torchacc.Config())  # TorchAcc's front door
 """
 
 from torchacc import _jaxconfig  # noqa: F401  (before JAX makes any array)
@@ -23,6 +24,10 @@ from torchacc.lazy import layer_kernels as _layer_kernels  # noqa: F401  (above 
 from torchacc.lazy import op_sites as _op_sites
 from torchacc.engine.explain import SyncWarning
 from torchacc.amp import autocast_policy as _autocast_policy
+from torchacc.accel.config import Config
+from torchacc.accel.loader import AsyncLoader
+from torchacc.accel.api import accelerate, mark_dynamic
+from torchacc.accel import ops
 
 mark_step = sync
 _op_sites.install()  # TORCHACC_DEBUG=1: each recorded op knows the user's line that recorded it
@@ -47,14 +52,19 @@ def __getattr__(name):
 
 
 __all__ = [
+    "AsyncLoader",
+    "Config",
     "LazyTensor",
     "SyncWarning",
+    "accelerate",
     "compile",
     "device",
     "device_hw",
     "jax_device",
+    "mark_dynamic",
     "mark_step",
     "metrics",
+    "ops",
     "platform",
     "sync",
     "wait_device_ops",

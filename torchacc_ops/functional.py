@@ -63,13 +63,28 @@ def flash_attention(
     attn_mask: torch.Tensor | None = None,
     dropout_p: float = 0.0,
     scale: float | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """softmax(q k^T * scale + mask) v for q (B, Hq, L, D), k/v (B, Hkv, S, D): Hkv < Hq is
     grouped-query (Hkv = 1: multi-query) attention. ``attn_mask``: bool (True = attend) or
     additive, broadcastable to (B, Hq, L, S); ``causal`` may be combined with it (top-left
     aligned, as SDPA's). ``scale`` defaults to 1/sqrt(D). Under autocast q, k, v are cast to the
-    autocast dtype, as ``F.scaled_dot_product_attention`` is."""
+    autocast dtype, as ``F.scaled_dot_product_attention`` is.
+
+    Packed sequences (padding-free SFT batches): ``cu_seqlens`` (n + 1 cumulative starts
+    ``[0, l1, l1 + l2, ..., L]``, the same for every row) or ``position_ids`` (B, L) restarting
+    at 0 where a sequence starts: a token attends only to tokens of its own sequence (and, with
+    ``causal``, not to later ones), as if each sequence ran on its own. Needs L == S."""
     _check_attention(q, k, v)
+    if cu_seqlens is not None or position_ids is not None:
+        packed = _packed_mask(q, k, cu_seqlens, position_ids)
+        if attn_mask is None:
+            attn_mask = packed
+        elif attn_mask.dtype == torch.bool:
+            attn_mask = attn_mask & packed
+        else:
+            attn_mask = attn_mask.masked_fill(~packed, float("-inf"))
     if _on_torchacc(q):
         q, k, v = _autocast((q, k, v), "torchacc")
         return _kernels().attention(q, k, v, attn_mask, dropout_p, causal, scale)
@@ -91,6 +106,35 @@ def flash_attention(
         scale=scale,
         enable_gqa=k.shape[1] != q.shape[1],
     )
+
+
+def _packed_mask(q, k, cu_seqlens, position_ids):
+    """(B or 1, 1, L, L) bool: same sequence of the packed row."""
+    name = "torchacc_ops.flash_attention"
+    L = q.shape[-2]
+    if k.shape[-2] != L:
+        raise ValueError(
+            f"{name}: packed sequences need q and k of one length, got {L}, {k.shape[-2]}"
+        )
+    if cu_seqlens is not None and position_ids is not None:
+        raise ValueError(f"{name}: give cu_seqlens or position_ids, not both")
+    if cu_seqlens is not None:
+        if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2 or cu_seqlens.is_floating_point():
+            raise ValueError(
+                f"{name}: cu_seqlens must be a 1-d integer tensor [0, l1, l1 + l2, ..., L], got "
+                f"{cu_seqlens.dtype} of shape {tuple(cu_seqlens.shape)}"
+            )
+        positions = torch.arange(L, device=cu_seqlens.device)
+        # a token's sequence: how many starts (after the first) are at or before it
+        segment = (positions[None, :] >= cu_seqlens[1:-1, None]).sum(0)[None, :]
+    else:
+        if position_ids.dim() != 2 or position_ids.shape[-1] != L:
+            raise ValueError(
+                f"{name}: position_ids must be (batch, {L}), got {tuple(position_ids.shape)}"
+            )
+        segment = (position_ids == 0).cumsum(-1)
+    segment = segment.to(q.device)
+    return (segment[:, :, None] == segment[:, None, :]).unsqueeze(1)
 
 
 def rms_norm(

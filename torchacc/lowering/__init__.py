@@ -23,6 +23,7 @@ _FAMILIES = (
     "fused",
     "fused_attention",
     "sharding",
+    "memory",
 )
 
 

@@ -99,6 +99,20 @@ def _cast_convolution_backward_meta(grad_output, input, weight, dtype, *conv_arg
     return grads[0].to(input.dtype), grads[1].to(weight.dtype), grads[2].to(weight.dtype)
 
 
+# XLA's optimization barrier (``xm.optimization_barrier_``): the same values back, which XLA may
+# not move computations across nor merge with equal ones (torchacc/lowering/memory.py)
+_lib.define("optimization_barrier(Tensor[] tensors) -> Tensor[]")
+# ``tensors``' values again, as new values computed after ``after`` exist (gradient checkpointing's
+# recompute inputs; Note [Checkpointing that saves memory] in torchacc/accel/checkpoint.py)
+_lib.define("checkpoint_fence(Tensor[] tensors, Tensor[] after) -> Tensor[]")
+
+
+def _optimization_barrier_meta(tensors, after=()):
+    return [torch.empty_like(t) for t in tensors]
+
+
+_lib.impl("optimization_barrier", _optimization_barrier_meta, "Meta")
+_lib.impl("checkpoint_fence", _optimization_barrier_meta, "Meta")
 _lib.impl("linear", _linear_meta, "Meta")
 _lib.impl("cast_convolution", _cast_convolution_meta, "Meta")
 _lib.impl("cast_convolution_backward", _cast_convolution_backward_meta, "Meta")
@@ -110,6 +124,8 @@ linear_backward = torch.ops.torchacc.linear_backward.default
 cast_convolution = torch.ops.torchacc.cast_convolution.default
 cast_convolution_backward = torch.ops.torchacc.cast_convolution_backward.default
 amp_unscale = torch.ops.torchacc.amp_unscale.default
+optimization_barrier = torch.ops.torchacc.optimization_barrier.default
+checkpoint_fence = torch.ops.torchacc.checkpoint_fence.default
 
 # What each op is in ATen's words, for messages (a recompile names ``aten::linear``, not only the
 # fused op that recorded it)
@@ -119,4 +135,6 @@ ATEN_NAMES = {
     "torchacc::cast_convolution": "aten::convolution (with autocast's casts)",
     "torchacc::cast_convolution_backward": "aten::convolution_backward (with autocast's casts)",
     "torchacc::amp_unscale": "aten::_amp_foreach_non_finite_check_and_unscale_",
+    "torchacc::optimization_barrier": "xm.optimization_barrier_",
+    "torchacc::checkpoint_fence": "gradient checkpointing's recompute fence",
 }

@@ -792,9 +792,11 @@ def xla_replication_devices(local_devices=None):
 
 
 def optimization_barrier_(tensors):
-    """torch_xla inserts an XLA optimization barrier; values are unchanged, so torchacc records
-    nothing (the barrier only constrains XLA's scheduling)."""
-    return None
+    """The tensors keep their values, now as the outputs of one XLA optimization barrier
+    (``jax.lax.optimization_barrier``; torchacc/accel/checkpoint.py)."""
+    from torchacc.accel.checkpoint import optimization_barrier_ as barrier
+
+    barrier(tensors)
 
 
 def do_on_ordinals(target, data=(), ordinals=(0,)):

@@ -20,62 +20,15 @@ from __future__ import annotations
 
 import queue
 import threading
-import time
 
 import torch
 
+# the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
+# torchacc.AsyncLoader
+from torchacc.accel.loader import upload_tree as _upload_tree
+from torchacc.accel.loader import wrap_tree as _wrap_tree
+
 _END = object()
-
-
-class _Uploaded:
-    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
-
-    __slots__ = ("array", "shape", "dtype", "seconds")
-
-    def __init__(self, array, shape, dtype, seconds):
-        self.array = array
-        self.shape = shape
-        self.dtype = dtype
-        self.seconds = seconds
-
-
-def _upload_tree(x):
-    from torchacc.engine import transfer
-
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            return x  # already elsewhere (e.g. on the device): left as is
-        host = x.detach().contiguous()
-        start = time.perf_counter()
-        array = transfer.put(transfer._numpy_of(host))
-        return _Uploaded(array, tuple(host.shape), host.dtype, time.perf_counter() - start)
-    if isinstance(x, dict):
-        return type(x)((k, _upload_tree(v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(_upload_tree(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_upload_tree(v) for v in x)
-    return x
-
-
-def _wrap_tree(x):
-    from torchacc import metrics
-    from torchacc.ir import Value, contiguous_desc
-    from torchacc.lazy.record import fresh
-
-    if isinstance(x, _Uploaded):
-        desc = contiguous_desc(x.shape, x.dtype)
-        value = Value(desc, array=x.array)
-        metrics.record_time("TransferToDeviceTime", x.seconds)
-        metrics.counter_inc("TransferToDevice")
-        return fresh(value)
-    if isinstance(x, dict):
-        return type(x)((k, _wrap_tree(v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*(_wrap_tree(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(_wrap_tree(v) for v in x)
-    return x
 
 
 class PerDeviceLoader:

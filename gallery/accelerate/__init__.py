@@ -1,0 +1,1 @@
+"""TorchAcc accelerate() gallery: the LLaMA model with bucketing, eager vs lazy."""

@@ -1,0 +1,221 @@
+"""``torchacc.accelerate(model, dataloader, config)``: TorchAcc's one-call setup.
+
+::
+
+    model, loader = ta.accelerate(model, loader, ta.Config())   # backend 'lazy' by default
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    for batch in loader:                                         # on model.device already
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()                                    # no mark_step: the loader syncs
+
+Order of work (everything is checked before anything happens):
+
+1. ``config.validate_for(model, world_size)`` (``ValueError`` naming the field) and the sizes
+   this build cannot run (``NotImplementedError`` naming the field): nothing is started, moved
+   or patched before that;
+2. ``memory.gc``: the ``gc_cls`` submodules are checkpointed (torchacc/accel/checkpoint.py);
+3. the model moves to the device (``'lazy'``: the torchacc device; ``'eager'``: CUDA when there
+   is one, else the CPU) and ``model.device`` says where;
+4. ``compute.bf16``/``fp16``: the model's forward runs under autocast of that dtype, parameters
+   stay float32 (a user's own autocast inside is harmless); fp16 wants a GradScaler
+   (``ta.amp.GradScaler`` is sync-free with ``ta.amp.syncfree`` optimizers); nothing process-wide
+   is replaced;
+5. ``compute.acc_scaled_dot_attn``: inside the model's forward only,
+   ``F.scaled_dot_product_attention`` is torchacc_ops' ``flash_attention``;
+6. ``dist``: on ``'lazy'``, ``dp`` ranks start from rank 0's parameters and every gradient is
+   averaged over them by an all-reduce recorded into the step; on ``'eager'``, ``dp`` is torch
+   DDP and ``fsdp`` torch FSDP2 (``fully_shard`` on the ``wrap_layer_cls`` modules, then the
+   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not);
+7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from torchacc.accel.checkpoint import apply_gc
+from torchacc.accel.config import Config
+from torchacc.accel.loader import AsyncLoader
+
+SPMD_FEATURE = "FSDPv2 / tensor-parallel sharding over the SPMD mesh (issue 29)"
+
+
+def mark_dynamic(*args, **kwargs):
+    """TorchAcc marks dynamic dimensions for bounded dynamic shapes; XLA through JAX has none."""
+    raise NotImplementedError(
+        "torchacc.mark_dynamic: XLA through JAX has no bounded dynamic shapes; pad variable "
+        "lengths to a few sizes instead with bucketing (Config.dataloader.buckets or "
+        "max_length/num_buckets, or torchacc.AsyncLoader(loader, device, buckets=[...]))"
+    )
+
+
+def _world_size():
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def _refuse_unsupported(config, sizes):
+    dp, fsdp, tp, pp, sp = sizes
+    if pp > 1:
+        raise NotImplementedError(
+            f"Config.dist.pp.size = {pp}: pipeline parallelism is not supported by torchacc"
+        )
+    if sp > 1:
+        raise NotImplementedError(
+            f"Config.dist.sp.size = {sp}: sequence parallelism is not supported by torchacc"
+        )
+    if config.is_lazy_backend():
+        for name, size in (("fsdp", fsdp), ("tp", tp)):
+            if size > 1:
+                raise NotImplementedError(
+                    f"Config.dist.{name}.size = {size} on backend 'lazy' needs {SPMD_FEATURE}, "
+                    "which accelerate() does not use yet; backend='eager' runs fsdp with FSDP2"
+                )
+    elif tp > 1:
+        raise NotImplementedError(
+            f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
+        )
+    if fsdp > 1 and dp > 1:
+        raise NotImplementedError(
+            f"Config.dist: dp.size = {dp} with fsdp.size = {fsdp} (hybrid sharding) is not "
+            "supported; use one of them"
+        )
+
+
+def _wrap_forward(module, autocast_device, dtype, sdpa):
+    """``module.forward`` under autocast of ``dtype`` and/or with SDPA as flash_attention."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        original = F.scaled_dot_product_attention
+        if sdpa:
+            F.scaled_dot_product_attention = _sdpa_as_flash_attention(original)
+        try:
+            if dtype is None:
+                return inner(*args, **kwargs)
+            with torch.autocast(autocast_device, dtype=dtype):
+                return inner(*args, **kwargs)
+        finally:
+            F.scaled_dot_product_attention = original
+
+    module.forward = forward
+
+
+def _sdpa_as_flash_attention(original):
+    """SDPA's signature over torchacc_ops.flash_attention (whose eager path calls the original
+    SDPA: it is put back during the call)."""
+    import torchacc_ops
+
+    def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        F.scaled_dot_product_attention = original
+        try:
+            return torchacc_ops.flash_attention(
+                q, k, v, causal=is_causal, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale
+            )
+        finally:
+            F.scaled_dot_product_attention = sdpa
+
+    return sdpa
+
+
+def _average_gradients_over(module, dp):
+    """Every gradient, once accumulated, is all-reduced (mean over ``dp`` ranks) in the step."""
+    from torchacc.distributed import collectives
+
+    def reduce(param):
+        collectives.all_reduce("sum", [param.grad], scale=1.0 / dp)
+
+    for p in module.parameters():
+        if p.requires_grad:
+            p.register_post_accumulate_grad_hook(reduce)
+
+
+def _lazy(model, sizes):
+    from torchacc.distributed import collectives
+    from torchacc.lazy.device import device
+
+    dev = device()
+    model.to(dev)
+    dp = sizes[0]
+    if dp > 1:
+        collectives.broadcast_parameters(model, 0)
+        _average_gradients_over(model, dp)
+    return model, dev
+
+
+def _eager(model, config, sizes):
+    import torch.distributed as dist
+
+    dp, fsdp = sizes[0], sizes[1]
+    if torch.cuda.is_available():
+        dev = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    model.to(dev)
+    if dp * fsdp > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
+    if fsdp > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        # an explicit mesh: FSDP2's default one would be on torch's current accelerator, which
+        # is the torchacc device once torchacc is imported
+        mesh = init_device_mesh(dev.type, (fsdp,))
+        if config.dist.fsdp.sync_module_states:  # rank 0's parameters and buffers everywhere
+            for t in (*model.parameters(), *model.buffers()):
+                dist.broadcast(t.data, 0)
+        names = set(config.dist.fsdp.wrap_layer_cls)
+        for m in list(model.modules())[1:]:
+            if type(m).__name__ in names:
+                fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif dp > 1:
+        ids = [dev.index] if dev.type == "cuda" else None
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=ids)
+    return model, dev
+
+
+def accelerate(model, dataloader=None, config=None):
+    """Set ``model`` (and ``dataloader``) up as ``config`` says; returns ``(model, loader)``, or
+    just the model when no dataloader is given. See the module docstring for what happens."""
+    if config is None:
+        config = Config()
+    if not isinstance(config, Config):
+        raise TypeError(
+            f"torchacc.accelerate: config must be a torchacc.Config, got {type(config)}"
+        )
+    if not isinstance(model, torch.nn.Module):
+        raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
+    sizes = config.validate_for(model, _world_size())
+    _refuse_unsupported(config, sizes)
+    lazy = config.is_lazy_backend()
+    if config.memory.gc:
+        apply_gc(model, config.memory.gc_cls, config.memory.gc_cnt, lazy=lazy)
+    compute = config.compute
+    dtype = torch.bfloat16 if compute.bf16 else torch.float16 if compute.fp16 else None
+    if dtype is not None or compute.acc_scaled_dot_attn:
+        # before DDP/FSDP wrap it: they call the module's own forward
+        autocast_device = "torchacc" if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
+        _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
+    model, device = _lazy(model, sizes) if lazy else _eager(model, config, sizes)
+    if not hasattr(model, "device"):  # a Hugging Face model has its own property
+        model.device = device
+    if dataloader is None:
+        return model
+    dl = config.dataloader
+    loader = AsyncLoader(
+        dataloader,
+        device,
+        buckets=dl.buckets,
+        max_length=dl.max_length,
+        num_buckets=dl.num_buckets or 8,
+        pad_value_dict=dl.pad_value_dict,
+    )
+    return model, loader

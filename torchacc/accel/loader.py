@@ -1,0 +1,311 @@
+"""``torchacc.AsyncLoader``: batches moved to the device ahead of the step, with bucketing.
+
+::
+
+    loader = ta.AsyncLoader(host_loader, ta.device(), buckets=[32, 64, 128])
+    for batch in loader:          # on the device, padded to a bucket; one sync per batch
+        loss = model(**batch).loss
+        ...
+
+A background thread iterates the host loader, pads each batch to its bucket and uploads its
+tensors (``jax.device_put`` does not wait for the device), keeping up to ``prefetch`` batches
+ready, as ``MpDeviceLoader`` does. Taking the next batch first runs ``torchacc.sync()``, so a loop
+over the loader needs no ``mark_step``; the loader syncs once more when it is exhausted. Each
+``iter()`` starts a new epoch over the host loader. The loader never shards data: a
+``DistributedSampler`` in the host loader does. On a CPU/CUDA device (``backend='eager'``) the
+batches are bucketed and moved with ``.to(device)`` in the consuming thread, with no sync.
+
+Note [Bucketing]
+XLA compiles one program per input shape, so variable-length batches would compile once per
+length. Bucketing (TorchAcc's rule) pads each batch to one of a few lengths:
+
+- the batch's length is the last dimension of its first key (batches must be dicts);
+- it goes to the smallest bucket >= that length; every tensor key is right-padded on its last
+  dimension with its ``pad_value_dict`` value (default ``{'input_ids': 0, 'attention_mask': 0,
+  'labels': -100}``: padding is masked out and ignored by the loss);
+- uniform buckets are ``max_length // num_buckets * (i + 1)`` for ``i < num_buckets``; given
+  buckets are sorted;
+- a batch longer than every bucket warns once naming its length and becomes a bucket of its own
+  (later batches of that length or shorter than it reuse it);
+- a tensor key missing from ``pad_value_dict`` is a ``ValueError`` naming it.
+
+``TORCHACC_DEBUG=1`` prints each batch's original and bucket length, and each new step program's
+memory (temp, argument, output bytes from its ``memory_analysis()``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import queue
+import sys
+import threading
+import time
+import warnings
+
+import torch
+import torch.nn.functional as F
+
+from torchacc.accel.config import DEFAULT_PAD_VALUES
+
+_END = object()
+
+
+def uniform_buckets(max_length, num_buckets=8):
+    """TorchAcc's uniform buckets: ``max_length // num_buckets * (i + 1)``."""
+    if max_length // num_buckets < 1:
+        raise ValueError(
+            f"bucketing: max_length {max_length} is smaller than num_buckets {num_buckets}"
+        )
+    return [max_length // num_buckets * (i + 1) for i in range(num_buckets)]
+
+
+def _debug():
+    return os.environ.get("TORCHACC_DEBUG", "0").strip() not in ("", "0")
+
+
+class Bucketing:
+    """Pads dict batches to buckets (Note [Bucketing])."""
+
+    def __init__(self, buckets=None, max_length=None, num_buckets=8, pad_value_dict=None):
+        if buckets is None:
+            buckets = uniform_buckets(max_length, num_buckets or 8)
+        buckets = list(buckets)
+        if not buckets or any(
+            isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in buckets
+        ):
+            raise ValueError(f"bucketing: buckets must be positive ints, got {buckets}")
+        if len(set(buckets)) != len(buckets):
+            raise ValueError(f"bucketing: buckets hold a duplicate length: {buckets}")
+        self.buckets = sorted(buckets)
+        self.pad_value_dict = dict(DEFAULT_PAD_VALUES if pad_value_dict is None else pad_value_dict)
+
+    def bucket_of(self, length):
+        """The smallest bucket >= ``length`` (a new one, with a warning, past the largest)."""
+        i = bisect.bisect_left(self.buckets, length)
+        if i == len(self.buckets):
+            warnings.warn(
+                f"torchacc bucketing: a batch of length {length} is longer than every bucket "
+                f"(largest {self.buckets[-1]}); it gets a bucket of its own (one more compile)",
+                stacklevel=3,
+            )
+            self.buckets.append(length)
+            return length
+        return self.buckets[i]
+
+    def __call__(self, batch):
+        if not isinstance(batch, dict) or not batch:
+            raise ValueError(
+                f"bucketing needs each batch to be a non-empty dict of tensors, got "
+                f"{type(batch).__name__}"
+            )
+        first = next(iter(batch.values()))
+        if not isinstance(first, torch.Tensor) or first.dim() == 0:
+            raise ValueError(
+                f"bucketing: the batch's first key {next(iter(batch))!r} must be a tensor with a "
+                f"length dimension (its last)"
+            )
+        length = first.shape[-1]
+        bucket = self.bucket_of(length)
+        if _debug():
+            print(f"torchacc: bucketing: batch length {length} -> bucket {bucket}", file=sys.stderr)
+        out = type(batch)()
+        for key, value in batch.items():
+            if not isinstance(value, torch.Tensor):
+                out[key] = value
+                continue
+            if key not in self.pad_value_dict:
+                raise ValueError(
+                    f"bucketing: batch key {key!r} has no pad value in pad_value_dict "
+                    f"{self.pad_value_dict}"
+                )
+            if value.shape[-1] != length:
+                raise ValueError(
+                    f"bucketing: batch key {key!r} has length {value.shape[-1]} on its last "
+                    f"dimension, the batch's first key has {length}"
+                )
+            pad = bucket - length
+            out[key] = F.pad(value, (0, pad), value=self.pad_value_dict[key]) if pad else value
+        return out
+
+
+# --- moving batches to the torchacc device ------------------------------------------------------
+
+
+class _Uploaded:
+    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
+
+    __slots__ = ("array", "shape", "dtype", "seconds")
+
+    def __init__(self, array, shape, dtype, seconds):
+        self.array = array
+        self.shape = shape
+        self.dtype = dtype
+        self.seconds = seconds
+
+
+def upload_tree(x):
+    """Start copying every CPU tensor of a (nested) batch to the device; any thread."""
+    from torchacc.engine import transfer
+
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x  # already elsewhere (e.g. on the device): left as is
+        host = x.detach().contiguous()
+        start = time.perf_counter()
+        array = transfer.put(transfer._numpy_of(host))
+        return _Uploaded(array, tuple(host.shape), host.dtype, time.perf_counter() - start)
+    return _map(upload_tree, x)
+
+
+def wrap_tree(x):
+    """The batch ``upload_tree`` made, as torchacc tensors; the recording thread."""
+    from torchacc import metrics
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.record import fresh
+
+    if isinstance(x, _Uploaded):
+        value = Value(contiguous_desc(x.shape, x.dtype), array=x.array)
+        metrics.record_time("TransferToDeviceTime", x.seconds)
+        metrics.counter_inc("TransferToDevice")
+        return fresh(value)
+    return _map(wrap_tree, x)
+
+
+def _map(fn, x):
+    if isinstance(x, dict):
+        return type(x)((k, fn(v)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(fn(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(fn(v) for v in x)
+    return x
+
+
+def _to_device(x, device):
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    return _map(lambda v: _to_device(v, device), x)
+
+
+_reported = [0]
+
+
+def _report_new_programs():
+    """``TORCHACC_DEBUG=1``: each newly built step program's memory (its ``memory_analysis()``),
+    the temp bytes being what gradient checkpointing lowers."""
+    from torchacc.program import cache
+
+    programs = list(cache._cache.values())
+    for exe in programs[_reported[0] :]:
+        stats = getattr(exe, "memory_analysis", lambda: None)()
+        if stats is not None:
+            print(
+                f"torchacc: step program memory: temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
+                f"arguments {stats.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
+                f"{stats.output_size_in_bytes / 2**20:.1f} MiB, aliased "
+                f"{stats.alias_size_in_bytes / 2**20:.1f} MiB",
+                file=sys.stderr,
+            )
+    _reported[0] = len(programs)
+
+
+class _Epoch:
+    """One pass over the host loader, prefetched by a background thread."""
+
+    def __init__(self, loader, transform, prefetch):
+        from torchacc.runtime.device import jax_device
+
+        jax_device()  # pick (and join a multi-process job for) the device on this thread
+        self._queue = queue.Queue(maxsize=max(1, prefetch))
+        self._done = threading.Event()
+        self._loader = loader
+        self._transform = transform
+        self._first = True
+        self._thread = threading.Thread(
+            target=self._work, name="torchacc-async-loader", daemon=True
+        )
+        self._thread.start()
+
+    def _put(self, item):
+        while not self._done.is_set():
+            try:
+                self._queue.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _work(self):
+        try:
+            for batch in self._loader:
+                if not self._put(("batch", upload_tree(self._transform(batch)))):
+                    return
+        except BaseException as e:  # re-raised in the consuming thread
+            self._put(("error", e))
+            return
+        self._put(("end", None))
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from torchacc.engine.execute import sync
+
+        if not self._first:
+            sync()  # the step recorded on the previous batch
+            if _debug():
+                _report_new_programs()
+        self._first = False
+        if self._done.is_set():
+            raise StopIteration
+        kind, payload = self._queue.get()
+        if kind == "batch":
+            return wrap_tree(payload)
+        self._done.set()
+        if kind == "error":
+            raise payload
+        raise StopIteration
+
+    def __del__(self):
+        done = getattr(self, "_done", None)
+        if done is not None:
+            done.set()
+
+
+class AsyncLoader:
+    """Wraps a host loader: its batches on ``device``, bucketed when ``buckets`` or ``max_length``
+    is given (Note [Bucketing]); ``len()`` is the host loader's. ``prefetch``: batches uploaded
+    ahead of the step."""
+
+    def __init__(
+        self,
+        loader,
+        device,
+        buckets=None,
+        max_length=None,
+        num_buckets=8,
+        pad_value_dict=None,
+        prefetch=4,
+    ):
+        self._loader = loader
+        self.device = torch.device(device)
+        self._prefetch = prefetch
+        self.bucketing = None
+        if buckets is not None or max_length is not None:
+            self.bucketing = Bucketing(buckets, max_length, num_buckets, pad_value_dict)
+
+    @property
+    def buckets(self):
+        return None if self.bucketing is None else list(self.bucketing.buckets)
+
+    def _transform(self, batch):
+        return batch if self.bucketing is None else self.bucketing(batch)
+
+    def __iter__(self):
+        if self.device.type in ("torchacc", "xla"):
+            return _Epoch(self._loader, self._transform, self._prefetch)
+        return (_to_device(self._transform(b), self.device) for b in self._loader)
+
+    def __len__(self):
+        return len(self._loader)
