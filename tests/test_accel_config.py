@@ -116,8 +116,7 @@ def test_accelerate_refuses_before_anything_happens(settings, message):
     [
         ("dist.pp.size", "lazy", "Config.dist.pp.size = 2: pipeline"),
         ("dist.sp.size", "eager", "Config.dist.sp.size = 2: sequence"),
-        ("dist.fsdp.size", "lazy", "Config.dist.fsdp.size = 2 on backend 'lazy' needs FSDPv2"),
-        ("dist.tp.size", "lazy", "Config.dist.tp.size = 2 on backend 'lazy' needs FSDPv2"),
+        ("dist.tp.size", "eager", "Config.dist.tp.size = 2 on backend 'eager'"),
     ],
 )
 def test_sizes_not_supported_yet_name_the_field(monkeypatch, path, backend, message):

@@ -46,6 +46,13 @@ def test_sharding_cases_on_4_devices():
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("spmd_accelerate")
+def test_accelerate_fsdp_and_tp_cases_on_4_devices():
+    out = run_cases("case_accelerate.py")
+    assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.slow
 @pytest.mark.devices(2)
 def test_two_processes_of_two_devices_form_one_mesh_of_four(tmp_path):
     """torchrun, 2 processes x 2 CPU devices: one global mesh with the same results as eager

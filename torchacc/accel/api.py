@@ -27,7 +27,10 @@ Order of work (everything is checked before anything happens):
 6. ``dist``: on ``'lazy'``, ``dp`` ranks start from rank 0's parameters and every gradient is
    averaged over them by an all-reduce recorded into the step; on ``'eager'``, ``dp`` is torch
    DDP and ``fsdp`` torch FSDP2 (``fully_shard`` on the ``wrap_layer_cls`` modules, then the
-   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not);
+   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not). On
+   ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
+   device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
+   FSDPv2 and column-parallel Linear layers through XLA's partitioner (``_lazy_sharded``);
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing.
 """
 
@@ -42,8 +45,6 @@ import torch.nn.functional as F
 from torchacc.accel.checkpoint import apply_gc
 from torchacc.accel.config import Config
 from torchacc.accel.loader import AsyncLoader
-
-SPMD_FEATURE = "FSDPv2 / tensor-parallel sharding over the SPMD mesh (issue 29)"
 
 
 def mark_dynamic(*args, **kwargs):
@@ -70,17 +71,12 @@ def _refuse_unsupported(config, sizes):
             f"Config.dist.sp.size = {sp}: sequence parallelism is not supported by torchacc"
         )
     if config.is_lazy_backend():
-        for name, size in (("fsdp", fsdp), ("tp", tp)):
-            if size > 1:
-                raise NotImplementedError(
-                    f"Config.dist.{name}.size = {size} on backend 'lazy' needs {SPMD_FEATURE}, "
-                    "which accelerate() does not use yet; backend='eager' runs fsdp with FSDP2"
-                )
-    elif tp > 1:
+        return  # fsdp / tp: a (dp, fsdp, tp) mesh of the SPMD engine (_lazy_sharded)
+    if tp > 1:
         raise NotImplementedError(
             f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
         )
-    if fsdp > 1 and dp > 1:
+    if fsdp > 1 and dp > 1:  # eager (the lazy backend returned above)
         raise NotImplementedError(
             f"Config.dist: dp.size = {dp} with fsdp.size = {fsdp} (hybrid sharding) is not "
             "supported; use one of them"
@@ -136,10 +132,55 @@ def _average_gradients_over(module, dp):
             p.register_post_accumulate_grad_hook(reduce)
 
 
-def _lazy(model, sizes):
+def _spmd_device_count():
+    """Switch SPMD mode on (before any tensor is on the device) and count the job's devices."""
+    from torchacc.distributed import sharding
+
+    sharding.use_spmd()
+    return sharding.device_count()
+
+
+def _lazy_sharded(model, sizes):
+    """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
+    device of the job (Note [SPMD mode]). ``tp`` splits each Linear's output features (column
+    parallel), ``fsdp`` dim 0 of every other parameter (ZeRO-3); a forward pre-hook splits the
+    batch of the model's tensor inputs over dp x fsdp; XLA inserts every collective."""
+    from torchacc.distributed import fsdp as zero
+    from torchacc.distributed import sharding
+    from torchacc.lazy.device import device
+
+    dp, fsdp, tp = sizes[:3]
+    mesh = sharding.jax_mesh(range(dp * fsdp * tp), (dp, fsdp, tp), ("dp", "fsdp", "tp"))
+    dev = device()
+    model.to(dev)
+    if tp > 1:
+        for m in model.modules():
+            if isinstance(m, torch.nn.Linear):
+                w = m.weight
+                spec = ("tp", "fsdp" if fsdp > 1 else None)
+                sharding.mark(w, sharding.named_sharding(mesh, spec, tuple(w.shape), "dist.tp"))
+                if m.bias is not None:
+                    b = m.bias
+                    sharding.mark(b, sharding.named_sharding(mesh, ("tp",), tuple(b.shape)))
+    if fsdp > 1:
+        zero.shard_parameters(model, mesh, "fsdp")
+
+    def split_batch(module, args, kwargs):
+        for t in [*args, *kwargs.values()]:
+            if isinstance(t, torch.Tensor) and t.device.type == "torchacc" and t.dim() > 0:
+                zero.shard_batch(t, mesh, ("dp", "fsdp"))
+        return None
+
+    model.register_forward_pre_hook(split_batch, with_kwargs=True)
+    return model, dev
+
+
+def _lazy(model, sizes, spmd=False):
     from torchacc.distributed import collectives
     from torchacc.lazy.device import device
 
+    if spmd:
+        return _lazy_sharded(model, sizes)
     dev = device()
     model.to(dev)
     dp = sizes[0]
@@ -193,9 +234,11 @@ def accelerate(model, dataloader=None, config=None):
         )
     if not isinstance(model, torch.nn.Module):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
-    sizes = config.validate_for(model, _world_size())
-    _refuse_unsupported(config, sizes)
     lazy = config.is_lazy_backend()
+    config.validate()
+    spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1)
+    sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
+    _refuse_unsupported(config, sizes)
     if config.memory.gc:
         apply_gc(model, config.memory.gc_cls, config.memory.gc_cnt, lazy=lazy)
     compute = config.compute
@@ -204,7 +247,7 @@ def accelerate(model, dataloader=None, config=None):
         # before DDP/FSDP wrap it: they call the module's own forward
         autocast_device = "torchacc" if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
-    model, device = _lazy(model, sizes) if lazy else _eager(model, config, sizes)
+    model, device = _lazy(model, sizes, spmd) if lazy else _eager(model, config, sizes)
     if not hasattr(model, "device"):  # a Hugging Face model has its own property
         model.device = device
     if dataloader is None:
