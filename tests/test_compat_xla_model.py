@@ -9,6 +9,7 @@ import torchacc.torch_xla.core.xla_model as xm
 import torchacc.torch_xla.debug.metrics as met
 import torchacc.torch_xla.runtime as xr
 import torchacc.torch_xla.utils.utils as xu
+from torchacc.torch_xla.core import _xm_devices
 from torchacc.torch_xla.distributed import xla_multiprocessing as xmp
 
 
@@ -27,8 +28,11 @@ def test_devices_and_ranks():
 
 
 def test_world_info_reads_the_launcher_environment(monkeypatch):
+    torchacc.jax_device()  # this process's device first: the variables below are pretend ones
     monkeypatch.setattr(
-        xm, "_modules", {"torchacc.distributed": None, "torchacc.distributed.collectives": None}
+        _xm_devices,
+        "_modules",
+        {"torchacc.distributed": None, "torchacc.distributed.collectives": None},
     )
     monkeypatch.setenv("WORLD_SIZE", "4")
     monkeypatch.setenv("RANK", "3")
