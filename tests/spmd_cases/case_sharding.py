@@ -313,3 +313,25 @@ def test_a_step_mixing_two_meshes_runs_on_the_last_one():
     xs.mark_sharding(bd, mesh2, ("data", "model"))
     with pytest.raises(ValueError, match=r"P\('x', None\) over mesh \{'x': 4\}.*'data': 2"):
         (cd * bd).sum().item()
+
+
+def test_mp_device_loader_input_sharding():
+    """MpDeviceLoader(..., input_sharding=ShardingSpec | {key: ShardingSpec}) shards each batch
+    as torch_xla does; a dict spec for a tensor batch is a ValueError, a missing key KeyError."""
+    from torchacc.torch_xla.distributed import parallel_loader as pl
+
+    mesh = xs.get_1d_mesh("x")
+    batches = [{"x": torch.randn(16, 8), "y": torch.randn(16, 8, 2)} for _ in range(2)]
+    spec = {"x": xs.ShardingSpec(mesh, ("x", None)), "y": xs.ShardingSpec(mesh, ("x", None, None))}
+    for b, data in zip(batches, pl.MpDeviceLoader(batches, DEV, input_sharding=spec)):
+        assert _XLAC._get_xla_sharding_spec(data["x"]) == "{devices=[4,1]0,1,2,3}"
+        assert _XLAC._get_xla_sharding_spec(data["y"]) == "{devices=[4,1,1]0,1,2,3}"
+        assert torch.equal(data["y"].cpu(), b["y"])
+    one = pl.MpDeviceLoader(batches, DEV, input_sharding=xs.ShardingSpec(mesh, ("x", None)))
+    data = next(iter(one))
+    assert _XLAC._get_xla_sharding_spec(data["x"]) == "{devices=[4,1]0,1,2,3}"
+    assert _XLAC._get_xla_sharding_spec(data["y"]) == "{replicated}"  # rank 3: not applied
+    with pytest.raises(ValueError, match="not a dict"):
+        next(iter(pl.MpDeviceLoader([torch.ones(4, 2)], DEV, input_sharding=spec)))
+    with pytest.raises(KeyError, match="'y'"):
+        next(iter(pl.MpDeviceLoader(batches, DEV, input_sharding={"x": spec["x"]})))

@@ -85,8 +85,7 @@ class ParallelLoader:
     ):
         import torchacc
 
-        if input_sharding is not None:
-            raise NotImplementedError("ParallelLoader: input_sharding (SPMD) is not supported")
+        self._input_sharding = input_sharding
         devices = [torch.device(d) for d in devices]
         if len(devices) != 1 or devices[0].type not in ("torchacc", "xla"):
             raise ValueError(
@@ -167,7 +166,43 @@ class ParallelLoader:
         if kind == "error":
             self._done.set()
             raise payload
-        return _wrap_tree(payload)
+        batch = _wrap_tree(payload)
+        if self._input_sharding is not None:
+            _shard_batch(batch, self._input_sharding)
+        return batch
+
+
+def _shard_batch(batch, input_sharding):
+    """torch_xla's ``input_sharding``: one ``xs.ShardingSpec`` for every tensor of the batch it
+    fits (same rank), or a dict of them per key of a dict batch (SPMD mode)."""
+    if isinstance(input_sharding, dict):
+        if not isinstance(batch, dict):
+            raise ValueError(
+                f"ParallelLoader: input_sharding is a dict (keys {sorted(input_sharding)}) but "
+                f"the batch is a {type(batch).__name__}, not a dict"
+            )
+        for key, tensor in batch.items():
+            if key not in input_sharding:
+                raise KeyError(
+                    f"ParallelLoader: batch key {key!r} has no entry in input_sharding "
+                    f"(keys {sorted(input_sharding)})"
+                )
+            input_sharding[key].apply(tensor)
+        return
+    for tensor in _tensors(batch):
+        if input_sharding.can_apply(tensor):
+            input_sharding.apply(tensor)
+
+
+def _tensors(tree):
+    if isinstance(tree, torch.Tensor):
+        yield tree
+    elif isinstance(tree, dict):
+        for v in tree.values():
+            yield from _tensors(v)
+    elif isinstance(tree, (list, tuple)):
+        for v in tree:
+            yield from _tensors(v)
 
 
 class MpDeviceLoader:
