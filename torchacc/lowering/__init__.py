@@ -22,6 +22,8 @@ _FAMILIES = (
     "nn_extra",
     "fused",
     "fused_attention",
+    "linalg",
+    "fft",
 )
 
 
