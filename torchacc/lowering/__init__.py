@@ -24,6 +24,7 @@ _FAMILIES = (
     "fused_attention",
     "linalg",
     "fft",
+    "bessel",
 )
 
 
