@@ -98,7 +98,7 @@ def i0(self):
 
 
 def _recurrence(p1, step):
-    """Rule for a polynomial family with P_0 = 1, P_1 = p1(x), P_{k+1} = step(k, x, P_k, P_{k-1})."""
+    """Rule for a family with P_0 = 1, P_1 = p1(x), P_{k+1} = step(k, x, P_k, P_{k-1})."""
 
     def rule(x, n):
         dt = float_dtype(result_type(x, n))
