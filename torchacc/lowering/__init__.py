@@ -25,6 +25,7 @@ _FAMILIES = (
     "linalg",
     "fft",
     "bessel",
+    "segments",
 )
 
 
