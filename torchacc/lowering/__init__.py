@@ -26,6 +26,7 @@ _FAMILIES = (
     "fft",
     "bessel",
     "segments",
+    "metas",
 )
 
 

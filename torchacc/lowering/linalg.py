@@ -264,6 +264,14 @@ def linalg_qr(A, mode="reduced"):
     return q, r
 
 
+@register(aten.geqrf.default)
+def geqrf(self):
+    from jax._src.lax.linalg import geqrf as _geqrf  # not re-exported by jax.lax.linalg
+
+    a, taus = _geqrf(_f(self))
+    return a, taus
+
+
 @register(aten.linalg_householder_product.default)
 def linalg_householder_product(input, tau):
     return lax.linalg.householder_product(_f(input), _f(tau))
