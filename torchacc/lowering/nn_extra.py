@@ -1,6 +1,6 @@
 """Less common nn ops the OpInfo sweep found falling back: pairwise distances (cdist, pdist),
-bilinear's ``_trilinear``, 3-d average pooling (fixed and adaptive). Half floats compute in
-float32 and round once, like the rest of the nn family.
+bilinear's ``_trilinear``, 3-d average pooling (fixed and adaptive), antialiased bilinear resize.
+Half floats compute in float32 and round once, like the rest of the nn family.
 """
 
 from __future__ import annotations
@@ -115,3 +115,50 @@ def adaptive_avg_pool3d(self, output_size):
     )
     div = md.sum(1)[:, None, None] * mh.sum(1)[None, :, None] * mw.sum(1)[None, None, :]
     return (total / jnp.asarray(div, x.dtype)).astype(self.dtype)
+
+
+def _aa_weights(n_in, n_out, align_corners, scale):
+    """(n_out, n_in) weights of antialiased linear resampling along one axis: a triangle filter
+    stretched by the downscale factor (so every input pixel contributes when shrinking),
+    normalized per output pixel; for upscaling it is plain linear interpolation."""
+    if align_corners:
+        sc = (n_in - 1) / (n_out - 1) if n_out > 1 else 0.0
+    else:
+        sc = 1.0 / scale if scale is not None and scale > 0 else n_in / n_out
+    support, inv = (sc, 1.0 / sc) if sc >= 1.0 else (1.0, 1.0)
+    w = np.zeros((n_out, n_in))
+    for i in range(n_out):  # pixel centers at i + 0.5 (align_corners only changes the scale)
+        center = sc * (i + 0.5)
+        lo = max(int(center - support + 0.5), 0)
+        hi = min(int(center + support + 0.5), n_in)
+        j = np.arange(lo, hi)
+        row = np.maximum(0.0, 1.0 - np.abs((j - center + 0.5) * inv))
+        total = row.sum()
+        w[i, lo:hi] = row / total if total else row
+    return w
+
+
+def _aa_pair(in_hw, out_hw, align_corners, scales):
+    return [
+        _aa_weights(n_in, n_out, align_corners, sc)
+        for n_in, n_out, sc in zip(in_hw, out_hw, scales, strict=True)
+    ]
+
+
+@register(aten._upsample_bilinear2d_aa.default, static=("scales_h", "scales_w"))
+def upsample_bilinear2d_aa(self, output_size, align_corners, scales_h=None, scales_w=None):
+    """``F.interpolate(mode="bilinear", antialias=True)``: two small matrix products."""
+    x = opmath(self)
+    wh, ww = _aa_pair(self.shape[-2:], output_size, align_corners, (scales_h, scales_w))
+    out = jnp.einsum("oh,nchw,pw->ncop", jnp.asarray(wh, x.dtype), x, jnp.asarray(ww, x.dtype))
+    return out.astype(self.dtype)
+
+
+@register(aten._upsample_bilinear2d_aa_backward.default, static=("scales_h", "scales_w"))
+def upsample_bilinear2d_aa_backward(
+    grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
+):
+    g = opmath(grad_output)
+    wh, ww = _aa_pair(input_size[-2:], output_size, align_corners, (scales_h, scales_w))
+    out = jnp.einsum("oh,ncop,pw->nchw", jnp.asarray(wh, g.dtype), g, jnp.asarray(ww, g.dtype))
+    return out.astype(grad_output.dtype)
