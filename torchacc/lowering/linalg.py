@@ -314,3 +314,29 @@ def linalg_pinv(self, atol=None, rtol=None, hermitian=False):
 @register(aten.linalg_pinv.default, aten.linalg_pinv.rcond_tensor)
 def linalg_pinv_rcond(self, rcond, hermitian=False):
     return _pinv(_f(self), 0.0, rcond, hermitian)
+
+
+@register(aten.linalg_lstsq.default, out_meta=True, static=("rcond",))
+def linalg_lstsq(self, b, rcond=None, driver=None, *, out):
+    """Least squares, the minimum-norm solution (as LAPACK's gelsy) from the SVD; ``rank`` counts
+    singular values above rcond * s_max (rcond defaults to eps * max(m, n)). Drivers gelsy
+    (the default) and gels; the others have data-dependent output shapes (see metas.py)."""
+    a = _f(self)
+    m, n = a.shape[-2:]
+    vector = b.ndim == a.ndim - 1
+    a, rhs = _broadcast_batch(a, _f(b)[..., None] if vector else _f(b))
+    u, s, vh = jnp.linalg.svd(a, full_matrices=False)
+    cut = jnp.finfo(a.dtype).eps * max(m, n) if rcond is None or rcond < 0 else rcond
+    keep = s > cut * jnp.max(s, -1, keepdims=True, initial=0)
+    inv = jnp.where(keep, 1 / jnp.where(keep, s, 1), 0)
+    x = _mH(vh) @ (inv[..., None] * (_mH(u) @ rhs))
+    solution = x[..., 0] if vector else x
+    rank = jnp.sum(keep, -1).astype(jnp.int64)
+    empty = jnp.zeros((0,), a.dtype)
+    if (driver or "gelsy") == "gels":
+        res = jnp.zeros((0,), a.dtype)
+        if m > n:
+            res = jnp.sum(jnp.abs(a @ x - rhs) ** 2, axis=-2)
+            res = res[..., 0] if vector else res
+        return solution, res, jnp.zeros((0,), jnp.int64), empty
+    return solution, empty, rank, empty
