@@ -118,6 +118,16 @@ def _native_batch_norm(func, args, kwargs):
     return out, mean, rstd
 
 
+def _lu_of_transpose(func, args, kwargs):
+    """``_linalg_det`` / ``_linalg_slogdet``: eager LU-factors A^T when A is contiguous and real
+    (det(A^T) = det(A), no copy), else A, and their backward relies on which. Their rules factor
+    the transpose of what they get (the contiguous case), so any other A goes in transposed."""
+    a = args[0]
+    if a.is_complex() or not a.is_contiguous():
+        args = (a.mT, *args[1:])
+    return _rule_handler(func, args, kwargs)
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
@@ -128,6 +138,8 @@ _SPECIAL = {
     aten.resolve_neg.default: _identity,
     aten.record_stream.default: _noop,
     aten.native_batch_norm.default: _native_batch_norm,
+    aten._linalg_det.default: _lu_of_transpose,
+    aten._linalg_slogdet.default: _lu_of_transpose,
 }
 
 

@@ -63,15 +63,19 @@ def _lu_det(lu, piv):
     return sign, jnp.sum(jnp.log(jnp.abs(diag)), -1), det
 
 
+# det and slogdet factor A^T, as eager does for a contiguous real A (and their backward expects);
+# the lazy frontend passes any other A transposed (lazy/dispatch.py, _lu_of_transpose).
+
+
 @register(aten._linalg_det.default)
 def linalg_det(A):
-    lu, piv, _, _ = _lu(_f(A))
+    lu, piv, _, _ = _lu(_mT(_f(A)))
     return _lu_det(lu, piv)[2], lu, piv
 
 
 @register(aten._linalg_slogdet.default)
 def linalg_slogdet(A):
-    lu, piv, _, _ = _lu(_f(A))
+    lu, piv, _, _ = _lu(_mT(_f(A)))
     sign, logabs, _ = _lu_det(lu, piv)
     return sign, logabs, lu, piv
 
