@@ -64,8 +64,15 @@ def test_triangular_svd_qr_eig_pinv_lstsq_match_eager():
     a = torch.randn(2, 4, 4) + 4 * torch.eye(4)
     b = torch.randn(2, 4, 3)
     check_rule(aten.linalg_solve_triangular.default, a.triu(), b, upper=True, **TOL)
-    check_rule(aten.linalg_solve_triangular.default, a.tril(), b.mT, upper=False, left=False,
-               unitriangular=True, **TOL)  # fmt: skip
+    check_rule(
+        aten.linalg_solve_triangular.default,
+        a.tril(),
+        b.mT,
+        upper=False,
+        left=False,
+        unitriangular=True,
+        **TOL,
+    )
     check_rule(aten.triangular_solve.default, b, a.triu(), transpose=True, **TOL)
     s = run_rule(aten._linalg_svd.default, a)[1]
     torch.testing.assert_close(torch.from_numpy(s), torch.linalg.svdvals(a), **TOL)
@@ -120,8 +127,9 @@ def test_complex_views_on_the_device_write_through():
     before = set(metrics.executed_fallback_ops())
     z = torch.complex(re.to(dev), im.to(dev))
     torch.testing.assert_close(z.cpu(), torch.complex(re, im))
-    torch.testing.assert_close(torch.polar(re.abs().to(dev), im.to(dev)).cpu(),
-                               torch.polar(re.abs(), im))  # fmt: skip
+    torch.testing.assert_close(
+        torch.polar(re.abs().to(dev), im.to(dev)).cpu(), torch.polar(re.abs(), im)
+    )
     torch.view_as_real(z).mul_(2)  # the base sees the write
     torch.testing.assert_close(z.cpu(), torch.complex(re, im) * 2)
     c = z.conj()
