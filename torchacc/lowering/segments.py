@@ -107,7 +107,8 @@ def embedding_bag_dense_backward(
     valid = indices != padding_idx if padding_idx >= 0 else jnp.ones(indices.shape, bool)
     if mode == _MAX:
         d = g.shape[1]
-        rows = jnp.where(bag_size[:, None] > 0, maximum_indices, num_weights)  # empty: dropped
+        size = bag_size[: maximum_indices.shape[0]]  # (one entry per offset: see _fit)
+        rows = jnp.where(size[:, None] > 0, maximum_indices, num_weights)  # empty: dropped
         cols = jnp.broadcast_to(jnp.arange(d), rows.shape)
         out = jnp.zeros((num_weights + 1, d), g.dtype).at[rows, cols].add(g)[:num_weights]
     else:
@@ -155,7 +156,8 @@ def segment_reduce(
 ):
     """torch's ``_segment_reduce`` over 1-D lengths/offsets: reduce "sum", "mean", "max", "min",
     "prod"; with ``initial``, it joins every segment (mean: (sum + initial) / count) and is an
-    empty segment's value; without it an empty segment gives NaN (mean/max/min), 0 or 1."""
+    empty segment's value; without it an empty segment gives the reduction's identity (0, 1,
+    -inf, inf) or NaN (mean), as eager."""
     if (lengths if lengths is not None else offsets).ndim != 1:
         raise NotImplementedError("torchacc: segment_reduce with batched lengths is not lowered")
     x = jnp.moveaxis(opmath(data), axis, 0)
@@ -181,12 +183,8 @@ def segment_reduce(
             out = (out + init) / count
     elif reduce == "mean":
         out = out / count
-    empty = count == 0
-    if reduce in ("mean", "max", "min"):
-        fill = jnp.nan if initial is None else initial
-        out = jnp.where(empty, jnp.asarray(fill, x.dtype), out)
-    elif initial is not None:
-        out = jnp.where(empty, jnp.asarray(initial, x.dtype), out)
+    if initial is not None:  # an empty segment is ``initial`` (without: the identity, mean NaN)
+        out = jnp.where(count == 0, jnp.asarray(initial, x.dtype), out)
     return jnp.moveaxis(out, 0, axis).astype(data.dtype)
 
 
@@ -201,3 +199,38 @@ def embedding_renorm(self, indices, max_norm, norm_type):
     scale = jnp.where(norm > max_norm, max_norm / (norm + 1e-7), 1.0)
     named = jnp.zeros((w.shape[0],), bool).at[indices.reshape(-1)].set(True)
     return jnp.where(named[:, None], w * scale[:, None].astype(w.dtype), w).astype(self.dtype)
+
+
+@register(aten._embedding_bag_backward.default)
+def embedding_bag_backward(
+    grad,
+    indices,
+    offsets,
+    offset2bag,
+    bag_size,
+    maximum_indices,
+    num_weights,
+    scale_grad_by_freq,
+    mode,
+    sparse,
+    per_sample_weights,
+    padding_idx=-1,
+):
+    """The weight gradient; ``sparse=True`` (a sparse gradient) has no device layout."""
+    if sparse:
+        raise NotImplementedError(
+            "torchacc: embedding_bag(sparse=True): sparse gradients are "
+            "not supported on the device; use sparse=False"
+        )
+    return embedding_bag_dense_backward(
+        grad,
+        indices,
+        offset2bag,
+        bag_size,
+        maximum_indices,
+        num_weights,
+        scale_grad_by_freq,
+        mode,
+        per_sample_weights,
+        padding_idx,
+    )
