@@ -161,21 +161,20 @@ def test_parameters_are_donated():
 
 
 def test_fallback_counts_and_warns():
-    x = torch.randn(7).to(DEV)
+    x = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0, 1.0]).to(DEV)
     metrics.clear_all()
-    with pytest.warns(UserWarning, match="aten.mode"):  # (an op with no lowering)
-        v, i = torch.mode(x)
-    want = torch.mode(x.cpu())
-    assert v.device == DEV and v.item() == want.values.item()
-    assert metrics.counter_value("aten::mode") == 1
-    assert "aten::mode" in metrics.executed_fallback_ops()
+    with pytest.warns(UserWarning, match="aten.unique_consecutive"):  # (data-dependent shape)
+        v = torch.unique_consecutive(x)
+    assert v.device == DEV and v.cpu().tolist() == [1.0, 2.0, 3.0, 1.0]
+    assert metrics.counter_value("aten::unique_consecutive") == 1
+    assert "aten::unique_consecutive" in metrics.executed_fallback_ops()
 
 
 def test_strict_mode_raises(monkeypatch):
     monkeypatch.setenv("TORCHACC_STRICT", "1")
     x = torch.randn(7).to(DEV)
-    with pytest.raises(RuntimeError, match="aten.mode"):
-        torch.mode(x)
+    with pytest.raises(RuntimeError, match="aten.unique_consecutive"):
+        torch.unique_consecutive(x)
 
 
 def test_mixing_devices_is_a_clear_error():
