@@ -177,6 +177,16 @@ def test_strict_mode_raises(monkeypatch):
         torch.unique_consecutive(x)
 
 
+def test_resize_to_the_same_shape_is_a_no_op_and_a_new_shape_a_clear_error():
+    x = torch.arange(6.0).reshape(2, 3).to(DEV)
+    before = dict((n, metrics.counter_value(n)) for n in metrics.executed_fallback_ops())
+    assert x.resize_as_(torch.empty(2, 3)) is x and x.resize_(2, 3) is x
+    assert dict((n, metrics.counter_value(n)) for n in metrics.executed_fallback_ops()) == before
+    with pytest.raises(RuntimeError, match=r"resize_.*from \(2, 3\) to \(6,\)"):
+        x.resize_(6)
+    assert x.shape == (2, 3) and x.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+
+
 def test_mixing_devices_is_a_clear_error():
     with pytest.raises(RuntimeError, match="same device"):
         torch.ones(3).to(DEV) + torch.ones(3)
