@@ -102,7 +102,6 @@ KNOWN_MISMATCH = {
     ("resize_", torch.bfloat16): "in-place resize of a device tensor is not supported",
     ("linalg.eigh", torch.float32): "eigenvectors: each one's sign is LAPACK-build dependent",
     ("chalf", torch.float32): "complex32: XLA has no such type (a TypeError names the op)",
-    ("stft", torch.float32): "it calls transpose_ (in-place shape change) on its FFT's result",
     ("to_sparse", torch.float32): "sparse layouts are not supported on the device",
     ("sparse.sampled_addmm", torch.float32): "sparse layouts are not supported on the device",
 }

@@ -130,6 +130,7 @@ def test_complex_views_on_the_device_write_through():
     torch.testing.assert_close(
         torch.polar(re.abs().to(dev), im.to(dev)).cpu(), torch.polar(re.abs(), im)
     )
+    torch.testing.assert_close(z.sgn().cpu(), torch.complex(re, im).sgn())  # abs's gradient
     torch.view_as_real(z).mul_(2)  # the base sees the write
     torch.testing.assert_close(z.cpu(), torch.complex(re, im) * 2)
     c = z.conj()
@@ -161,3 +162,24 @@ def test_det_and_slogdet_gradients_match_eager_for_contiguous_and_transposed_inp
             out.sum().backward()
             torch.testing.assert_close(out.cpu(), fn(layout(a)), **TOL)
             torch.testing.assert_close(y.grad.cpu(), x.grad, **TOL)
+
+
+def test_stft_matches_eager_with_gradients():
+    """torch.stft's composite transposes in place; torchacc's route does not (same values)."""
+    torch.manual_seed(7)
+    dev = torchacc.device()
+    cases = [
+        (torch.randn(2, 64), dict(n_fft=16, hop_length=4, return_complex=True)),
+        (torch.randn(50), dict(n_fft=12, win_length=8, window=torch.hann_window(8),
+                               center=False, normalized=True, return_complex=True)),
+        (torch.randn(40), dict(n_fft=8, return_complex=False, onesided=False)),
+        (torch.randn(40, dtype=torch.complex64), dict(n_fft=8, return_complex=True)),
+    ]  # fmt: skip
+    for x, kw in cases:
+        xr, xd = x.clone().requires_grad_(), x.to(dev).requires_grad_()
+        dkw = {k: (v.to(dev) if isinstance(v, torch.Tensor) else v) for k, v in kw.items()}
+        want, got = torch.stft(xr, **kw), torch.stft(xd, **dkw)
+        want.abs().sum().backward()
+        got.abs().sum().backward()
+        torch.testing.assert_close(got.cpu(), want, **TOL)
+        torch.testing.assert_close(xd.grad.cpu(), xr.grad, **TOL)
