@@ -253,8 +253,8 @@ def linalg_eigh(A, UPLO="L", compute_v=True):
 
 @register(aten.linalg_eig.default)
 def linalg_eig(self):
-    """General eigendecomposition (complex results); XLA runs it on the host CPU's LAPACK on
-    every backend JAX supports it on."""
+    """General eigendecomposition (complex results), JAX's ``eig`` (LAPACK geev on the CPU; on a
+    GPU only where the installed jaxlib implements it: not checked here, no GPU was lent)."""
     w, vr = lax.linalg.eig(_f(self), compute_left_eigenvectors=False)
     return w, vr
 
