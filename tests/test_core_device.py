@@ -160,7 +160,10 @@ def test_parameters_are_donated():
         assert old.array is None and buffer_of(old) is None
 
 
-def test_fallback_counts_and_warns():
+def test_fallback_counts_and_warns(monkeypatch):
+    from torchacc.lazy import fallback
+
+    monkeypatch.setattr(fallback, "_warned", set())  # warned once per process: not yet here
     x = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0, 1.0]).to(DEV)
     metrics.clear_all()
     with pytest.warns(UserWarning, match="aten.unique_consecutive"):  # (data-dependent shape)
