@@ -36,6 +36,8 @@ def _map(x, fn):
         return fn(x)
     if isinstance(x, (list, tuple)):
         return type(x)(_map(v, fn) for v in x)
+    if isinstance(x, dict):  # keyword arguments
+        return {k: _map(v, fn) for k, v in x.items()}
     return x
 
 

@@ -160,22 +160,34 @@ def test_parameters_are_donated():
         assert old.array is None and buffer_of(old) is None
 
 
-def test_fallback_counts_and_warns():
-    x = torch.randn(7).to(DEV)
+def test_fallback_counts_and_warns(monkeypatch):
+    from torchacc.lazy import fallback
+
+    monkeypatch.setattr(fallback, "_warned", set())  # warned once per process: not yet here
+    x = torch.tensor([1.0, 1.0, 2.0, 3.0, 3.0, 1.0]).to(DEV)
     metrics.clear_all()
-    with pytest.warns(UserWarning, match="aten.mode"):  # (an op with no lowering)
-        v, i = torch.mode(x)
-    want = torch.mode(x.cpu())
-    assert v.device == DEV and v.item() == want.values.item()
-    assert metrics.counter_value("aten::mode") == 1
-    assert "aten::mode" in metrics.executed_fallback_ops()
+    with pytest.warns(UserWarning, match="aten.unique_consecutive"):  # (data-dependent shape)
+        v = torch.unique_consecutive(x)
+    assert v.device == DEV and v.cpu().tolist() == [1.0, 2.0, 3.0, 1.0]
+    assert metrics.counter_value("aten::unique_consecutive") == 1
+    assert "aten::unique_consecutive" in metrics.executed_fallback_ops()
 
 
 def test_strict_mode_raises(monkeypatch):
     monkeypatch.setenv("TORCHACC_STRICT", "1")
     x = torch.randn(7).to(DEV)
-    with pytest.raises(RuntimeError, match="aten.mode"):
-        torch.mode(x)
+    with pytest.raises(RuntimeError, match="aten.unique_consecutive"):
+        torch.unique_consecutive(x)
+
+
+def test_resize_to_the_same_shape_is_a_no_op_and_a_new_shape_a_clear_error():
+    x = torch.arange(6.0).reshape(2, 3).to(DEV)
+    before = dict((n, metrics.counter_value(n)) for n in metrics.executed_fallback_ops())
+    assert x.resize_as_(torch.empty(2, 3)) is x and x.resize_(2, 3) is x
+    assert dict((n, metrics.counter_value(n)) for n in metrics.executed_fallback_ops()) == before
+    with pytest.raises(RuntimeError, match=r"resize_.*from \(2, 3\) to \(6,\)"):
+        x.resize_(6)
+    assert x.shape == (2, 3) and x.cpu().tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
 
 
 def test_mixing_devices_is_a_clear_error():

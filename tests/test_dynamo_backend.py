@@ -80,6 +80,15 @@ def test_backend_is_registered_and_declared_as_entry_point():
     text = (pathlib.Path(__file__).parents[1] / "pyproject.toml").read_text()
     section = text.split("[project.entry-points.torch_dynamo_backends]", 1)[1].split("[", 1)[0]
     assert 'torchacc = "torchacc.dynamo:backend"' in section
+    # No submodule may shadow the target: importing it would rebind the package attribute.
+    import inspect
+    import pkgutil
+
+    import torchacc.dynamo
+
+    names = {m.name for m in pkgutil.iter_modules(torchacc.dynamo.__path__)}
+    assert "backend" not in names
+    assert inspect.isfunction(torchacc.dynamo.backend)
 
 
 def test_mlp_trains_like_eager_without_recompiles():
@@ -299,7 +308,9 @@ def test_cuda_tensors_stay_on_the_gpu_zero_copy():
 
 def test_backend_name_works_without_importing_torchacc():
     """After ``pip install``, ``torch.compile(backend="torchacc")`` finds the backend through the
-    entry point, with or without ``import torchacc.dynamo`` first."""
+    entry point, with or without ``import torchacc.dynamo`` first, and also after its submodules
+    were imported (``compile_step`` imports them: a submodule named like the entry point's target
+    used to replace the function on the package, issue 32 item 6)."""
     from importlib.metadata import entry_points
 
     if not any(e.name == "torchacc" for e in entry_points(group="torch_dynamo_backends")):
@@ -311,11 +322,15 @@ def test_backend_name_works_without_importing_torchacc():
         "import sys, torch\n"
         "if sys.argv[1] == 'import-first':\n"
         "    import torchacc.dynamo\n"
+        "if sys.argv[1] == 'submodules-first':\n"
+        "    import pkgutil, importlib, torchacc.dynamo as d\n"
+        "    for m in pkgutil.iter_modules(d.__path__):\n"
+        "        importlib.import_module('torchacc.dynamo.' + m.name)\n"
         "x = torch.arange(5.0)\n"
         "f = torch.compile(lambda x: (x.sin() * 2).sum(), backend='torchacc')\n"
         "print(abs(float(f(x)) - float((x.sin() * 2).sum())) < 1e-5)\n"
     )
-    for mode in ("entry-point", "import-first"):
+    for mode in ("entry-point", "import-first", "submodules-first"):
         out = subprocess.run(
             [sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300
         )

@@ -6,7 +6,9 @@ programs. Tensors stay where the user keeps them (CPU or CUDA, zero-copy through
 README: "torch.compile backend and whole-step compile".
 
 Importing this package registers the ``"torchacc"`` dynamo backend (an installed torchacc also
-registers it through the ``torch_dynamo_backends`` entry point).
+registers it through the ``torch_dynamo_backends`` entry point). The entry point names the function
+``torchacc.dynamo:backend``, so no submodule may be called ``backend``: importing it would rebind
+the package attribute to the module (the AOTAutograd backend lives in ``aot.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 def backend(gm, example_inputs, **kwargs):
     """The dynamo backend; imports the machinery on first use (entry point target)."""
-    from torchacc.dynamo.backend import backend as _backend
+    from torchacc.dynamo.aot import backend as _backend
 
     return _backend(gm, example_inputs, **kwargs)
 

@@ -48,7 +48,7 @@ from torch.utils import _pytree as pytree
 
 from torchacc import metrics
 from torchacc.dynamo import lower, scaler
-from torchacc.dynamo.backend import decompositions
+from torchacc.dynamo.aot import decompositions
 from torchacc.dynamo.flat import _FlatRunner
 
 

@@ -9,6 +9,7 @@ Function whose forward records ``torchacc.linear`` and whose backward records
 step. With ``create_graph=True`` the backward is written with differentiable ops instead, so
 double backward works. ``F.scaled_dot_product_attention`` is routed to the fused attention ops
 (torch picks fused kernels through a C++-only hook a Python backend cannot provide).
+``torch.stft`` is rebuilt from out-of-place ops (its composite resizes a tensor in place).
 """
 
 import torch
@@ -99,3 +100,45 @@ def _rms_norm_route(input, normalized_shape, weight=None, eps=None):
 
 
 _lib.impl(_rms_norm, _rms_norm_route, "AutogradPrivateUse1")
+
+
+# torch.stft: its composite transposes the FFT's result in place (``transpose_``), which a device
+# tensor cannot do (its shape is fixed). The same frames -> window -> FFT -> transpose with
+# out-of-place, differentiable ops.
+_stft = aten.stft.default
+
+
+def _stft_route(
+    self,
+    n_fft,
+    hop_length=None,
+    win_length=None,
+    window=None,
+    normalized=False,
+    onesided=None,
+    return_complex=None,
+    align_to_window=None,
+):
+    args = (hop_length, win_length, window, normalized, onesided, return_complex, align_to_window)
+    if align_to_window or return_complex is None or self.dim() not in (1, 2):
+        return _stft.decompose(self, n_fft, *args)  # torch's own errors and rarer options
+    hop = hop_length or n_fft // 4
+    win = win_length or n_fft
+    x = self if self.dim() == 2 else self.unsqueeze(0)
+    w = torch.ones(win, dtype=x.real.dtype, device=x.device) if window is None else window
+    if win < n_fft:  # a shorter window is centered in the frame
+        left = (n_fft - win) // 2
+        w = torch.nn.functional.pad(w, (left, n_fft - win - left))
+    frames = x.unfold(-1, n_fft, hop) * w
+    if onesided is None:
+        onesided = not (x.is_complex() or w.is_complex())
+    spec = torch.fft.rfft(frames, dim=-1) if onesided else torch.fft.fft(frames, dim=-1)
+    if normalized:
+        spec = spec * n_fft**-0.5
+    spec = spec.transpose(1, 2)
+    if not return_complex:
+        spec = torch.view_as_real(spec)
+    return spec if self.dim() == 2 else spec.squeeze(0)
+
+
+_lib.impl(_stft, _stft_route, "AutogradPrivateUse1")

@@ -118,6 +118,31 @@ def _native_batch_norm(func, args, kwargs):
     return out, mean, rstd
 
 
+def _lu_of_transpose(func, args, kwargs):
+    """``_linalg_det`` / ``_linalg_slogdet``: eager LU-factors A^T when A is contiguous and real
+    (det(A^T) = det(A), no copy), else A, and their backward relies on which. Their rules factor
+    the transpose of what they get (the contiguous case), so any other A goes in transposed."""
+    a = args[0]
+    if a.is_complex() or not a.is_contiguous():
+        args = (a.mT, *args[1:])
+    return _rule_handler(func, args, kwargs)
+
+
+def _resize_(func, args, kwargs):
+    """``resize_`` / ``resize_as_`` to the tensor's own shape (contiguous layout) changes nothing,
+    as in eager; any other size or layout would change a device tensor in place: an error."""
+    self, size = args[0], args[1]
+    shape = tuple(size.shape) if func is aten.resize_as_.default else tuple(size)
+    fmt = kwargs.get("memory_format", args[2] if len(args) > 2 else None)
+    keeps_layout = fmt in (None, torch.contiguous_format) and self.is_contiguous()
+    if shape == tuple(self.shape) and keeps_layout:
+        return self
+    raise RuntimeError(
+        f"torchacc: {func} would resize a tensor from {tuple(self.shape)} to {shape} (memory "
+        f"format {fmt}); resizing torchacc tensors in place is not supported"
+    )
+
+
 _SPECIAL = {
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
@@ -128,6 +153,10 @@ _SPECIAL = {
     aten.resolve_neg.default: _identity,
     aten.record_stream.default: _noop,
     aten.native_batch_norm.default: _native_batch_norm,
+    aten.resize_.default: _resize_,
+    aten.resize_as_.default: _resize_,
+    aten._linalg_det.default: _lu_of_transpose,
+    aten._linalg_slogdet.default: _lu_of_transpose,
 }
 
 

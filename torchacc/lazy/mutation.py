@@ -67,6 +67,11 @@ def _inverse(entry, base, new):
     elif name in _RESHAPE_VIEWS:
         flat = VRef(new, contiguous_desc(out_desc[0], out_desc[2]))
         scatter, args = aten.view.default, (flat, list(base.desc[0]))
+    elif name in ("view_as_real", "view_as_complex"):  # each is the other's inverse
+        other = aten.view_as_complex if name == "view_as_real" else aten.view_as_real
+        scatter, args = other.default, (newref,)
+    elif name == "_conj":  # a conjugated view holds conj(base): the base is conj(new)
+        scatter, args = aten._conj_physical.default, (newref,)
     elif name == "expand":
         raise RuntimeError(
             "torchacc: unsupported operation: more than one element of the written-to tensor "
@@ -93,7 +98,6 @@ _RESHAPE_VIEWS = frozenset(
         "flatten",
         "unflatten",
         "_reshape_alias",
-        "_conj",
         "_neg_view",
     )
 )

@@ -13,6 +13,7 @@ from torchacc.ir import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value, d
 from torchacc.lazy import random as device_random
 from torchacc.lazy.tensor import LazyTensor, make
 from torchacc.lowering import lookup
+from torchacc.lowering.dtypes import TORCH_TO_JAX
 from torchacc.lowering.registry import scalar_arguments
 
 aten = torch.ops.aten
@@ -296,6 +297,13 @@ def _spec(func):
 
 def _new_entry(spec, key, args, kwargs):
     meta = _compute_meta(spec.func, args, kwargs)
+    for d in meta.descs:  # fail at the op, not at the next sync's compile
+        if d is not None and d[2] not in TORCH_TO_JAX:
+            hint = "; use torch.complex64" if d[2] == torch.complex32 else ""
+            raise TypeError(
+                f"torchacc: {spec.func} would make a {d[2]} tensor, a dtype the device does not "
+                f"have{hint}"
+            )
     count = [0, 0]
     lift_pos, lift_kw = spec.lift_pos, spec.lift_kw
     targs = [_template(a, lift_pos.get(i, 0), count) for i, a in enumerate(args)]

@@ -24,6 +24,11 @@ _FAMILIES = (
     "fused_attention",
     "sharding",
     "memory",
+    "linalg",
+    "fft",
+    "bessel",
+    "segments",
+    "metas",
 )
 
 

@@ -330,3 +330,33 @@ def random(self, *args, out, rng, **kwargs):
     if hi > 2**62 or lo < -(2**62):
         raise NotImplementedError("torchacc: random_ bounds beyond +-2**62")
     return jax.random.randint(rng, shape, lo, hi, dtype=jnp.int64).astype(dt)
+
+
+@register(aten.multinomial.default, rng=True)
+def multinomial(self, num_samples, replacement=False, *, rng, **_kwargs):
+    """Category indices drawn with probability proportional to each row of ``self``: with
+    replacement a categorical draw per sample, without it the Gumbel top-k trick (distinct
+    categories, in the order drawn)."""
+    logits = jnp.log(self.astype(jnp.float32))
+    if replacement:
+        shape = self.shape[:-1] + (num_samples,)
+        draws = jax.random.categorical(rng, logits[..., None, :], axis=-1, shape=shape)
+        return draws.astype(jnp.int64)
+    keys = logits + jax.random.gumbel(rng, logits.shape, jnp.float32)
+    return jax.lax.top_k(keys, num_samples)[1].astype(jnp.int64)
+
+
+@register(aten.rrelu_with_noise_functional.default, rng=True)
+def rrelu_with_noise_functional(
+    self, noise, lower=0.125, upper=1 / 3, training=False, generator=None, *, rng
+):
+    """Randomized leaky ReLU: in training each negative element is scaled by a slope drawn
+    uniformly from [lower, upper] (returned as the new ``noise``; 1 elsewhere); in evaluation by
+    the fixed slope (lower + upper) / 2, ``noise`` unchanged."""
+    x = self.astype(opmath_dtype(self.dtype))
+    lo, hi = jnp.asarray(lower, x.dtype), jnp.asarray(upper, x.dtype)
+    if not training:
+        return jnp.where(x >= 0, x, x * (lo + hi) / 2).astype(self.dtype), noise
+    slope = jax.random.uniform(rng, x.shape, x.dtype, minval=lo, maxval=hi)
+    r = jnp.where(x >= 0, jnp.ones_like(x), slope)
+    return (x * r).astype(self.dtype), r.astype(noise.dtype)

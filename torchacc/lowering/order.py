@@ -1,5 +1,5 @@
-"""Order statistics and binning: median, nanmedian, kthvalue, searchsorted, bucketize, histc,
-and the logcumsumexp scan.
+"""Order statistics and binning: median, nanmedian, kthvalue, mode, searchsorted, bucketize,
+histc, histogram, and the logcumsumexp scan.
 
 Order statistics sort stably with NaN as the largest value (like torch's CPU kernels), so the
 index returned for a value is that of its first occurrence among equals. ``median`` propagates a
@@ -155,3 +155,71 @@ def histc(self, bins=100, min=0, max=0):
     pos = jnp.where(inside, pos, bins)  # out of range -> a dropped extra bin
     counts = jnp.zeros(bins + 1, x.dtype).at[pos].add(1)[:bins]
     return counts.astype(self.dtype)
+
+
+@register(aten.mode.default)
+def mode(self, dim=-1, keepdim=False):
+    """The most frequent value along ``dim`` (ties: the smallest value) and the index of its last
+    occurrence, as eager CPU: a stable sort, then the length of each run of equal values."""
+    if self.ndim == 0:
+        return self, jnp.zeros((), jnp.int64)
+    axis = dim % self.ndim
+    x = jnp.moveaxis(self, axis, -1)
+    n = x.shape[-1]
+    values, indices = _sorted_with_index(x, x.ndim - 1)
+    pos = lax.broadcasted_iota(jnp.int64, values.shape, values.ndim - 1)
+    starts = jnp.concatenate(
+        [jnp.ones(values.shape[:-1] + (1,), bool), values[..., 1:] != values[..., :-1]], -1
+    )
+    ends = jnp.concatenate(
+        [values[..., 1:] != values[..., :-1], jnp.ones(values.shape[:-1] + (1,), bool)], -1
+    )
+    run_start = lax.cummax(jnp.where(starts, pos, 0), axis=values.ndim - 1)
+    length = jnp.where(ends, pos - run_start + 1, -1)
+    best = jnp.argmax(length, axis=-1)[..., None]  # first longest run = smallest value
+    v = jnp.take_along_axis(values, best, -1)[..., 0]
+    i = jnp.take_along_axis(indices, best, -1)[..., 0]
+    if n == 0:
+        raise ValueError("torchacc: mode of an empty dimension")
+    if keepdim:
+        v, i = jnp.expand_dims(v, axis), jnp.expand_dims(i, axis)
+    return v, i
+
+
+def _histogram(x, edges, weight, density):
+    """Counts (or weight sums) of ``x`` in the bins between ``edges``; the last bin is closed."""
+    bins = edges.shape[0] - 1
+    pos = jnp.searchsorted(edges, x, side="right") - 1
+    pos = jnp.where(x == edges[-1], bins - 1, pos)
+    inside = (x >= edges[0]) & (x <= edges[-1])
+    pos = jnp.where(inside, pos, bins)
+    w = jnp.ones_like(x) if weight is None else opmath(weight).reshape(-1)
+    hist = jnp.zeros(bins + 1, w.dtype).at[pos].add(w)[:bins]
+    if density:
+        hist = hist / (jnp.sum(hist) * (edges[1:] - edges[:-1]))
+    return hist
+
+
+@register(aten.histogram.bin_ct, static=("range",))
+def histogram(self, bins=100, range=None, weight=None, density=False):
+    """torch.histogram with ``bins`` equal bins over ``range`` (default: the data's min and max;
+    an empty range is widened by 0.5 each side, as eager). The edges are computed on the device:
+    the shapes are static, only the values depend on the data."""
+    x = opmath(self).reshape(-1)
+    if range is not None:
+        lo, hi = jnp.asarray(range[0], x.dtype), jnp.asarray(range[1], x.dtype)
+    elif x.size:
+        lo, hi = jnp.min(x), jnp.max(x)
+    else:
+        lo, hi = jnp.zeros((), x.dtype), jnp.zeros((), x.dtype)
+    same = lo == hi
+    lo, hi = jnp.where(same, lo - 0.5, lo), jnp.where(same, hi + 0.5, hi)
+    edges = jnp.linspace(lo, hi, bins + 1).astype(x.dtype)
+    return _histogram(x, edges, weight, density).astype(self.dtype), edges.astype(self.dtype)
+
+
+@register(aten.histogram.bins_tensor)
+def histogram_bins(self, bins, weight=None, density=False):
+    x = opmath(self).reshape(-1)
+    edges = opmath(bins)
+    return _histogram(x, edges, weight, density).astype(self.dtype), bins

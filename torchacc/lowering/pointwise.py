@@ -437,9 +437,13 @@ for _name, _fn in _UNARY_FLOAT_OPS.items():
 
 
 def _sign(x):
-    """torch's sign: (0 < x) - (x < 0). NaN gives 0 (jnp.sign gives NaN) and -0.0 gives +0.0."""
+    """torch's sign: (0 < x) - (x < 0). NaN gives 0 (jnp.sign gives NaN) and -0.0 gives +0.0.
+    Complex (``sgn``): z / |z|."""
     if x.dtype == jnp.bool_:
         return x
+    if jnp.iscomplexobj(x):  # sgn: z / |z| (0 at 0), the gradient of abs
+        mag = jnp.abs(x)
+        return jnp.where(mag == 0, 0, x / jnp.where(mag == 0, 1, mag).astype(x.dtype))
     return (x > 0).astype(x.dtype) - (x < 0).astype(x.dtype)
 
 
