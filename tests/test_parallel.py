@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from test_spmd import run_cases
+from spmd_launch import launch_gpt_tiny, run_cases, torchrun_case
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "spmd_cases"))
 
@@ -72,39 +72,12 @@ def test_sampler_shards_as_torch_and_global_batches_put_shard_d_on_device_d():
         next(sampler.global_batches(6))
 
 
-def _launch(tmp_path, name, *flags, **env_extra):
-    import subprocess
-
-    from distributed_launch import env
-
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "launch_single_task.py",
-            "--nproc_per_node=1",
-            "--model=gpt-tiny",
-            "--batch_size=8",
-            "--max_steps=4",
-            "--amp_level=O0",
-            f"--output={out}",
-            *flags,
-        ],
-        env=env(TORCHACC_CACHE_DIR="off", **env_extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
-    return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
-
-
 @pytest.mark.slow
 def test_launcher_semi_auto_with_a_strategy_file_matches_eager(tmp_path):
     """--compiler-opt --parallel_mode semi_auto --strategy_file on 4 CPU devices trains gpt-tiny
     with the eager single-process run's losses; bad flags are one-line errors (exit 2)."""
     strategy = "gallery/gpt/strategy_semi_auto.yaml"
-    proc, semi = _launch(
+    proc, semi = launch_gpt_tiny(
         tmp_path,
         "semi",
         "--compiler-opt",
@@ -117,7 +90,7 @@ def test_launcher_semi_auto_with_a_strategy_file_matches_eager(tmp_path):
     log = proc.stdout + proc.stderr
     assert f"parallel: {strategy} shards 8 layers" in log
     assert "parallel: mode semi_auto on 4 devices; parameter bytes per device" in log
-    proc, eager = _launch(tmp_path, "eager")
+    proc, eager = launch_gpt_tiny(tmp_path, "eager")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(semi["losses"]) == 4
     for a, b in zip(semi["losses"], eager["losses"]):
@@ -131,7 +104,7 @@ def test_launcher_semi_auto_with_a_strategy_file_matches_eager(tmp_path):
         ),
         (("--compiler-opt", "--parallel_mode=semi", "--fsdp"), "invalid choice: 'semi'"),
     ):
-        proc, _ = _launch(tmp_path, "bad", *flags)
+        proc, _ = launch_gpt_tiny(tmp_path, "bad", *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])
 
 
@@ -141,28 +114,9 @@ def test_two_processes_broadcast_parameters_train_and_write_their_own_slices(tmp
     """torchrun, 2 processes x 2 CPU devices: parameter_broadcast gives both ranks rank 0's
     weights, DATA_PARALLEL over the 4 devices sums the slice gradients as eager does, and each
     process writes the slice files of its own two devices (which merge into the model)."""
-    import subprocess
-
-    from distributed_launch import env, free_port
 
     out = tmp_path / "r"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            "--master_addr=127.0.0.1",
-            f"--master_port={free_port()}",
-            os.path.join(os.path.dirname(__file__), "spmd_cases", "mp_parallel_worker.py"),
-            str(out),
-        ],
-        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-    )
+    proc = torchrun_case("mp_parallel_worker.py", out)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
     assert [(r["rank"], r["size"]) for r in results] == [(0, 4), (2, 4)]

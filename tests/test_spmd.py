@@ -6,36 +6,9 @@ for the whole process.
 """
 
 import os
-import subprocess
-import sys
 
 import pytest
-
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def run_cases(name, devices=4, timeout=600):
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            os.path.join(HERE, "spmd_cases", name),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=os.path.dirname(HERE),
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    return proc.stdout
+from spmd_launch import launch_gpt_tiny, run_cases, torchrun_case
 
 
 @pytest.mark.slow
@@ -59,27 +32,8 @@ def test_two_processes_of_two_devices_form_one_mesh_of_four(tmp_path):
     (and so as 1 process x 4 devices), for 2-D sharding and FSDPv2 on a HybridMesh."""
     import json
 
-    from distributed_launch import env, free_port
-
     out = tmp_path / "r"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "spmd_cases", "mp_worker.py"),
-        str(out),
-    ]
-    proc = subprocess.run(
-        cmd,
-        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=os.path.dirname(HERE),
-    )
+    proc = torchrun_case("mp_worker.py", out)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
     for r in results:
@@ -93,39 +47,12 @@ def test_two_processes_of_two_devices_form_one_mesh_of_four(tmp_path):
     assert results[0]["two_d"] == results[1]["two_d"]
 
 
-def _launch(tmp_path, name, *flags, **env_extra):
-    import json
-
-    from distributed_launch import env
-
-    out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "launch_single_task.py",
-            "--nproc_per_node=1",
-            "--model=gpt-tiny",
-            "--batch_size=8",
-            "--max_steps=4",
-            "--amp_level=O0",
-            f"--output={out}",
-            *flags,
-        ],
-        env=env(TORCHACC_CACHE_DIR="off", **env_extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(HERE),
-    )
-    return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)
-
-
 @pytest.mark.slow
 def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     """--compiler-opt --fsdp --mesh 2,2 on 4 CPU devices trains gpt-tiny with the losses of the
     eager single-process run on the same batches; bad flags are one-line errors (exit 2)."""
     ckpt = tmp_path / "ckpt"
-    proc, sharded = _launch(
+    proc, sharded = launch_gpt_tiny(
         tmp_path,
         "fsdp",
         "--compiler-opt",
@@ -140,7 +67,7 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     log = proc.stdout + proc.stderr
     assert "fsdp: mesh data=2 x fsdp=2; parameter bytes per device" in log
     assert "fsdp: bytes per device after step 2: parameters" in log and "optimizer state" in log
-    proc, eager = _launch(tmp_path, "eager")
+    proc, eager = launch_gpt_tiny(tmp_path, "eager")
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert len(sharded["losses"]) == 4
     for a, b in zip(sharded["losses"], eager["losses"]):
@@ -153,7 +80,7 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     import shutil
 
     shutil.rmtree(ckpt / "4")
-    proc, resumed = _launch(
+    proc, resumed = launch_gpt_tiny(
         tmp_path,
         "resumed",
         "--compiler-opt",
@@ -172,5 +99,5 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
         (("--fsdp", "--model=resnet-tiny"), "--fsdp shards the gpt and llama models"),
         (("--fsdp", "--compiler-opt", "--mesh=2"), "expected DATA,FSDP"),
     ):
-        proc, _ = _launch(tmp_path, "bad", *flags)
+        proc, _ = launch_gpt_tiny(tmp_path, "bad", *flags)
         assert proc.returncode == 2 and message in proc.stderr, (flags, proc.stderr[-2000:])

@@ -12,52 +12,19 @@ job (mp_checkpoint_worker.py) checks that each process writes only its own shard
 
 import copy
 import os
-import subprocess
 import sys
 
 import pytest
+from spmd_launch import run_cases, torchrun_case
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-def _run_case(name, devices, ckpt_dir, extra_env=None, timeout=600):
-    env = dict(
-        os.environ,
-        PJRT_DEVICE="CPU",
-        CPU_NUM_DEVICES=str(devices),
-        TORCHACC_CKPT_DIR=str(ckpt_dir),
-        **(extra_env or {}),
-    )
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-o",
-            "addopts=",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            "-p",
-            "no:xdist",
-            os.path.join(HERE, "spmd_cases", name),
-        ],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=os.path.dirname(HERE),
-    )
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
-    return proc.stdout
 
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("spmd_checkpoint")
 def test_checkpoint_saved_on_4_devices_restores_on_4_2_and_1(tmp_path):
-    _run_case("case_checkpoint.py", 4, tmp_path)
-    _run_case("case_checkpoint_reshard.py", 2, tmp_path)
+    run_cases("case_checkpoint.py", 4, {"TORCHACC_CKPT_DIR": tmp_path})
+    run_cases("case_checkpoint_reshard.py", 2, {"TORCHACC_CKPT_DIR": tmp_path})
     _restore_on_one_device_without_spmd(tmp_path)
 
 
@@ -100,33 +67,13 @@ def test_two_processes_write_only_their_own_shards(tmp_path):
     the same and into other layouts is bit-identical on both processes."""
     import json
 
-    from distributed_launch import env, free_port
-
     sys.path.insert(0, os.path.join(HERE, "spmd_cases"))
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     from torchacc.distributed.checkpoint import SafeFileSystemReader
 
     out, ckpt = tmp_path / "r", tmp_path / "ckpt"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_addr=127.0.0.1",
-        f"--master_port={free_port()}",
-        os.path.join(HERE, "spmd_cases", "mp_checkpoint_worker.py"),
-        str(out),
-        str(ckpt),
-    ]
-    proc = subprocess.run(
-        cmd,
-        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=2),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        cwd=os.path.dirname(HERE),
-    )
+    proc = torchrun_case("mp_checkpoint_worker.py", out, ckpt)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
     for r in results:

@@ -254,17 +254,11 @@ def local_shards(t):
     return out
 
 
-def per_device_bytes(tensors):
-    """Bytes each device holds of ``tensors`` (computed torchacc tensors): {ordinal: bytes}."""
-    from torchacc.lazy.record import value_of
-
+def _shard_bytes(arrays):
+    """{ordinal: bytes} of this process's shards of ``arrays`` (each array counted once)."""
     total: dict = {}
     seen = set()
-    for t in tensors:
-        if t is None or not isinstance(t, torch.Tensor) or t.device.type != "torchacc":
-            continue
-        value = value_of(t)
-        array = value.buf if value.node is None else None
+    for array in arrays:
         if not isinstance(array, jax.Array) or id(array) in seen:
             continue
         seen.add(id(array))
@@ -272,6 +266,18 @@ def per_device_bytes(tensors):
             k = ordinal(s.device)
             total[k] = total.get(k, 0) + s.data.nbytes
     return total
+
+
+def per_device_bytes(tensors):
+    """Bytes each device holds of ``tensors`` (computed torchacc tensors): {ordinal: bytes}."""
+    from torchacc.lazy.record import value_of
+
+    arrays = []
+    for t in tensors:
+        if isinstance(t, torch.Tensor) and t.device.type == "torchacc":
+            value = value_of(t)
+            arrays.append(value.buf if value.node is None else None)
+    return _shard_bytes(arrays)
 
 
 def live_bytes_per_device():
@@ -279,17 +285,7 @@ def live_bytes_per_device():
     bytes}, padding included. What ``xm.get_memory_info`` reports as ``tensor_bytes``."""
     from torchacc.ir import live_storages
 
-    total: dict = {}
-    seen = set()
-    for st in live_storages():
-        array = st.value.buf if st.value.node is None else None
-        if not isinstance(array, jax.Array) or id(array) in seen:
-            continue
-        seen.add(id(array))
-        for s in array.addressable_shards:
-            k = ordinal(s.device)
-            total[k] = total.get(k, 0) + s.data.nbytes
-    return total
+    return _shard_bytes([st.value.buf for st in live_storages() if st.value.node is None])
 
 
 def memory_report(model, optimizer=None):

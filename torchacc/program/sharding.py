@@ -36,19 +36,24 @@ def active():
 
 
 def normalize(loose):
-    """Move loose input Values whose arrays are not on the engine mesh onto it: a step's
-    arrays must share one mesh (JAX cannot mix two meshes in a program, even over the same
-    devices). Replicated data and data split along axes the engine mesh has too are re-laid out;
-    anything else is an error naming both meshes."""
+    """Lay a step's loose inputs out for one program: replicated data (and data on a single
+    device, e.g. ``call_jax``'s results) moves onto the engine mesh, as JAX cannot mix a
+    replicated layout of one mesh with splits of another in a program; data split over
+    another mesh of the same devices in the same order stays as it is (JAX takes it); a split
+    over the devices in another order moves onto the engine mesh when that mesh has its axes,
+    else it is a ValueError naming both meshes."""
     engine = mesh.engine_mesh()
     names = dict(engine.shape)
     for v in loose:
         a = v.buf
         s = getattr(a, "sharding", None)
-        if isinstance(s, jax.sharding.NamedSharding) and s.mesh == engine:
+        named = isinstance(s, jax.sharding.NamedSharding)
+        if named and s.mesh == engine:
             continue
-        spec = s.spec if isinstance(s, jax.sharding.NamedSharding) else ()
+        spec = s.spec if named else ()
         used = [n for e in spec if e is not None for n in (e if isinstance(e, tuple) else (e,))]
+        if used and mesh.same_devices(s.mesh, engine):
+            continue
         if any(names.get(n) != dict(s.mesh.shape)[n] for n in used):
             raise ValueError(
                 f"torchacc SPMD: a tensor of shape {tuple(a.shape)} is sharded as {spec} over "
