@@ -1,0 +1,82 @@
+"""A process started by ``mpirun``: its rank, world size and local rank, and a per-job rendezvous
+port (standard library only; the launcher loads it by file, ``torchacc.horovod`` imports it).
+
+Open MPI sets ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``; MPICH (hydra) and Intel MPI
+set ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``. Two jobs on one machine
+must not rendezvous on the same port, so the port is derived from the job's identity: Open MPI's
+job id (``OMPI_MCA_ess_base_jobid``, 4.x) or PMIx namespace (``PMIX_NAMESPACE``, 5.x). MPICH sets
+no job id, but all ranks of a job on one node are children of the same hydra proxy, so its process
+id names the job there (a multi-node MPICH job needs ``MASTER_ADDR`` and ``MASTER_PORT``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+VARIANTS = (
+    # (rank, size, local rank, local size, job-id variables; None: the ranks' common parent)
+    (
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE"),
+    ),
+    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS", ("PMIX_NAMESPACE", None)),
+)
+PORT_BASE, PORT_SPAN = 20000, 20000
+
+
+def job_port(job: str) -> int:
+    """A port in [20000, 40000) that every rank of the job ``job`` computes alike (P and P+1 are
+    used: the torch.distributed store and the JAX coordinator)."""
+    digest = hashlib.sha1(job.encode()).digest()
+    return PORT_BASE + int.from_bytes(digest[:4], "big") % PORT_SPAN
+
+
+def job_id(environ, keys, ppid=None) -> str | None:
+    """The job's identity from ``keys`` (None in ``keys`` stands for the parent process id)."""
+    for k in keys:
+        if k is None:
+            return f"ppid:{os.getppid() if ppid is None else ppid}"
+        if environ.get(k):
+            return f"{k}:{environ[k]}"
+    return None
+
+
+def mpi_environment(environ=None, ppid=None) -> dict[str, str] | None:
+    """torch.distributed variables for a process started by mpirun, or None if not under MPI.
+
+    RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE come from the MPI variables. MASTER_ADDR and
+    MASTER_PORT are kept if set; otherwise MASTER_ADDR is 127.0.0.1 (single node only) and
+    MASTER_PORT is derived from the job's identity (see the module docstring), so all ranks of
+    one job agree on it without talking and two jobs on one machine get different ports.
+    """
+    env = os.environ if environ is None else environ
+    for rank_k, size_k, lrank_k, lsize_k, job_keys in VARIANTS:
+        if rank_k not in env or size_k not in env:
+            continue
+        rank, size = int(env[rank_k]), int(env[size_k])
+        local_rank = int(env.get(lrank_k, rank))
+        local_size = int(env.get(lsize_k, size))
+        out = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(size),
+            "LOCAL_RANK": str(local_rank),
+            "LOCAL_WORLD_SIZE": str(local_size),
+            "GROUP_RANK": str(rank // max(local_size, 1)),
+        }
+        if "MASTER_ADDR" not in env and local_size < size:
+            raise RuntimeError(
+                "mpirun across several nodes: pass --master_addr (or set MASTER_ADDR) to the "
+                "address of the node running rank 0"
+            )
+        out["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
+        if "MASTER_PORT" in env:
+            out["MASTER_PORT"] = env["MASTER_PORT"]
+        else:
+            job = job_id(env, job_keys, ppid)
+            out["MASTER_PORT"] = "29500" if job is None else str(job_port(job))
+        return out
+    return None
