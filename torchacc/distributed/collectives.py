@@ -31,6 +31,7 @@ from torchacc.runtime.processes import AXIS, is_initialized, local_rank, rank, w
 
 __all__ = [
     "all_reduce",
+    "all_reduce_coalesced",
     "all_gather",
     "reduce_scatter",
     "broadcast",
@@ -345,17 +346,24 @@ def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
     tensors = [inputs] if single else list(inputs)
     if not tensors:
         return inputs
-    scale = float(scale)
-    _check_tensors("all_reduce", tensors)
-    _check_reduction("all_reduce", op, tensors, scale)
-    if world_size() == 1:
-        results = [_local_scale(t, scale) for t in tensors]
-    else:
-        results = ops.all_reduce.default(tensors, op, scale, scale != 1.0)
+    results = all_reduce_coalesced(op, tensors, scale)
     if single:
         return results[0]
     _write(tensors, results)
     return inputs
+
+
+def all_reduce_coalesced(reduce_type, tensors, scale=1.0):
+    """Reduce a list of tensors over all processes as one collective; returns new tensors."""
+    op = reduce_op_name(reduce_type)
+    tensors, scale = list(tensors), float(scale)
+    _check_tensors("all_reduce", tensors)
+    _check_reduction("all_reduce", op, tensors, scale)
+    if not tensors:
+        return []
+    if world_size() == 1:
+        return [_local_scale(t, scale) for t in tensors]
+    return list(ops.all_reduce.default(tensors, op, scale, scale != 1.0))
 
 
 def all_gather(value, dim=0, groups=None, output=None, pin_layout=True):
