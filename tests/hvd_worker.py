@@ -19,7 +19,9 @@ import torch
 import torch.nn as nn
 
 import torchacc
+import torchacc.distributed as tdist
 import torchacc.horovod as hvd
+import torchacc.nn
 from torchacc import metrics
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -302,11 +304,69 @@ def check_sync_batch_norm(me, device):
     close(x.grad, ref_x.grad[lo : lo + sizes[me]], f"SyncBatchNorm {path} input grad", 1e-4, 1e-4)
 
 
+def check_dropin(tmp):
+    """``import torchacc.distributed as dist`` as the seed's DDP path uses it."""
+    assert tdist.use_torchacc is True
+    # the seed's train.sh: a one-process script; the launcher's job replaces its world and rank
+    tdist.init_process_group("nccl", init_method="tcp://127.0.0.1:88", world_size=1, rank=0)
+    me = tdist.get_rank()
+    assert (tdist.get_world_size(), tdist.get_local_rank()) == (W, me)
+    for path, put in (("cpu", lambda t: t.clone()), ("device", lambda t: t.to(DEV))):
+        xs = [per_rank(r) for r in range(W)]
+        x = put(xs[me])
+        assert tdist.all_reduce(x, op=tdist.ReduceOp.MAX) is None
+        close(x, torch.maximum(*xs), f"dist.all_reduce {path} MAX in place")
+        y = put(xs[me])
+        tdist.broadcast(y, src=1)
+        close(y, xs[1], f"dist.broadcast {path} src=1")
+        outs = [put(torch.zeros(3, 4)) for _ in range(W)]
+        tdist.all_gather(outs, put(xs[me]))
+        close(torch.stack([o.cpu() for o in outs]), torch.stack(xs), f"dist.all_gather {path}")
+        tdist.barrier()
+        # DDP: 2 ranks x batch 4 == 1 process x batch 8 (ranks start different: DDP broadcasts)
+        torch.manual_seed(me)
+        model = nn.Linear(6, 3)
+        torch.manual_seed(0)
+        ref = nn.Linear(6, 3)
+        with torch.no_grad():
+            want0 = ref.weight.clone()
+        if me == 0:
+            model.load_state_dict(ref.state_dict())
+        model = model.to(DEV) if path == "device" else model
+        ddp = torchacc.nn.parallel.DistributedDataParallel(model)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+        ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+        for step in range(3):
+            x, t = batch(step, 2 * 4)
+            xb, tb = put(x[me * 4 : me * 4 + 4]), put(t[me * 4 : me * 4 + 4])
+            opt.zero_grad()
+            nn.functional.mse_loss(ddp(xb), tb).backward()
+            opt.step()
+            if path == "device":
+                torchacc.sync()
+            ref_opt.zero_grad()
+            nn.functional.mse_loss(ref(x), t).backward()
+            ref_opt.step()
+        assert not torch.equal(want0, ref.weight.detach())
+        close(
+            model.weight, ref.weight.detach(), f"DDP {path} averages like one process", 1e-5, 1e-5
+        )
+    m = nn.Linear(3, 2)
+    opt = torch.optim.Adam(m.parameters(), lr=0.01 if me == 0 else 0.5)
+    if me == 0:
+        m(torch.ones(2, 3)).sum().backward()
+        opt.step()
+    tdist.broadcast_optimizer_state(opt, root_rank=0)
+    assert opt.param_groups[0]["lr"] == 0.01 and float(opt.state[m.bias]["step"]) == 1.0
+    close(opt.state[m.bias]["exp_avg"], torch.full((2,), 0.2), "dist.broadcast_optimizer_state")
+
+
 def main():
     faulthandler.register(signal.SIGUSR1)
     out = sys.argv[1]
     raises(ValueError, "hvd.init()", hvd.rank, "rank() before init()")
-    hvd.init()
+    check_dropin(out)
+    hvd.init()  # adopts the process group the drop-in made
     me = hvd.rank()
     assert (hvd.size(), hvd.local_size(), hvd.cross_size(), hvd.cross_rank()) == (W, W, 1, 0)
     assert hvd.local_rank() == me and hvd.is_initialized()

@@ -18,14 +18,20 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 STAGES = [
     ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
     ("launcher", ["torchacc.launch", "torchacc.launch_args"]),
-    ("libraries", ["torchacc.amp", "torchacc.distributed", "torchacc_ops"]),
+    (
+        "libraries",
+        ["torchacc.amp", "torchacc.distributed", "torchacc.horovod", "torchacc.nn", "torchacc_ops"],
+    ),
     ("frontends", ["torchacc.lazy", "torchacc.dynamo"]),
     ("engine", ["torchacc.engine"]),
     ("program", ["torchacc.program"]),
     ("ir", ["torchacc.ir"]),
     ("runtime", ["torchacc.runtime"]),
     ("lowering", ["torchacc.lowering"]),
-    ("base", ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks"]),
+    (
+        "base",
+        ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks", "torchacc.mpi_env"],
+    ),
 ]
 # frontends are independent of each other: the trace-once path reuses the stages below, not the
 # lazy recorder (and the other way round)

@@ -80,3 +80,26 @@ def mpi_environment(environ=None, ppid=None) -> dict[str, str] | None:
             out["MASTER_PORT"] = "29500" if job is None else str(job_port(job))
         return out
     return None
+
+
+def adopt(environ=None) -> dict[str, str]:
+    """Copy mpirun's variables into torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+    MASTER_ADDR, MASTER_PORT) when mpirun, not torchrun, started this process; returns what it
+    set (nothing when torchrun's variables are there or there is no MPI)."""
+    env = os.environ if environ is None else environ
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return {}
+    mpi = mpi_environment(env)
+    if mpi is None:
+        return {}
+    env.update(mpi)
+    return mpi
+
+
+def job_world_size(environ=None) -> int:
+    """The number of processes the launcher started (torchrun's or mpirun's variables; 1)."""
+    env = os.environ if environ is None else environ
+    for key in ("WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE"):
+        if env.get(key, "").isdigit():
+            return int(env[key])
+    return 1

@@ -42,19 +42,6 @@ def _env_int(name, default):
         raise ValueError(f"torchacc.horovod.init: {name}={text!r} is not an integer") from None
 
 
-def adopt_launcher_environment():
-    """Copy mpirun's variables into torchrun's (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
-    MASTER_ADDR, MASTER_PORT) when this process was started by mpirun and not by torchrun.
-    Returns the variables set (empty when there was nothing to do)."""
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        return {}
-    mpi = mpi_env.mpi_environment()
-    if mpi is None:
-        return {}
-    os.environ.update(mpi)
-    return mpi
-
-
 def _backend():
     return "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
 
@@ -76,7 +63,7 @@ def init(comm=None, process_sets=None):
         rank, size = dist.get_rank(), dist.get_world_size()
         _state.owns_group = False
     else:
-        adopt_launcher_environment()
+        mpi_env.adopt()
         size = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         if size > 1:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from torchacc.distributed import collectives as C
-from torchacc.engine import execute
+from torchacc.distributed import state
 from torchacc.horovod import basics, exchange, ops
 
 
@@ -317,121 +317,22 @@ def DistributedOptimizer(
 
 
 # --------------------------------------------------------------------------------------------
-# broadcasts of parameters and optimizer state
-
-
-def _broadcast_tensors(name, tensors, root_rank):
-    """Overwrite ``tensors`` with ``root_rank``'s, each path at once. Torchacc tensors: pending
-    work is run first (ranks may differ in it: a rank-0-only ``load_state_dict``), then one
-    recorded broadcast and a sync, so the values are final on return."""
-    lazy = [t for t in tensors if ops.on_device(t)]
-    eager = [t for t in tensors if not ops.on_device(t)]
-    if lazy:
-        execute.sync()
-        exchange.broadcast_start(lazy, root_rank, True, name)
-        execute.sync()
-    if eager:
-        work, finish = exchange.broadcast_start(eager, root_rank, True, name)
-        if work is not None:
-            work.wait()
+# broadcasts of parameters and optimizer state (torchacc/distributed/state.py)
 
 
 def broadcast_parameters(params, root_rank):
     """Overwrite parameters with rank ``root_rank``'s: ``params`` is a ``state_dict()`` (several
     models' may be merged) or a list of ``(name, tensor)`` pairs such as ``named_parameters()``."""
     basics.require("broadcast_parameters")
-    if isinstance(params, dict):
-        items = sorted(params.items(), key=lambda kv: kv[0])
-    elif isinstance(params, (list, tuple)) or hasattr(params, "__iter__"):
-        items = list(params)
-        if any(not (isinstance(x, tuple) and len(x) == 2) for x in items):
-            raise ValueError(
-                "torchacc.horovod.broadcast_parameters: expected a state_dict or (name, tensor) "
-                "pairs"
-            )
-    else:
-        raise ValueError(
-            f"torchacc.horovod.broadcast_parameters: invalid params of type {type(params)}"
-        )
-    tensors = [t for _, t in items if isinstance(t, torch.Tensor)]
-    if basics.size() > 1 and tensors:
-        with torch.no_grad():
-            _broadcast_tensors("broadcast_parameters", [t.data for t in tensors], root_rank)
-
-
-def _base_step(optimizer):
-    if hasattr(optimizer, "_hvd_params"):
-        with optimizer.skip_synchronize():
-            optimizer.step()
-    else:
-        optimizer.step()
-
-
-def _create_state(optimizer):
-    """Horovod's trick: a step on zero gradients creates the state a fresh optimizer lacks
-    (parameters and gradients are put back afterwards)."""
-    missing = [
-        p
-        for g in optimizer.param_groups
-        for p in g["params"]
-        if p.requires_grad and p not in optimizer.state
-    ]
-    if not missing:
-        return
-    saved = [(p, p.detach().clone(), p.grad) for p in missing]
-    for p in missing:
-        p.grad = torch.zeros_like(p)
-    _base_step(optimizer)
-    with torch.no_grad():
-        for p, data, grad in saved:
-            p.copy_(data)
-            p.grad = grad
+    exchange._check_root("broadcast_parameters", root_rank)
+    if basics.size() > 1:
+        state.broadcast_parameters(params, root_rank)
 
 
 def broadcast_optimizer_state(optimizer, root_rank):
     """Make every rank's optimizer state and hyperparameters (lr, momentum, ...) rank
     ``root_rank``'s; state a rank has not created yet is created first."""
     basics.require("broadcast_optimizer_state")
-    if basics.size() == 1:
-        return
-    _create_state(optimizer)
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    layout = [
-        {
-            k: ("tensor", tuple(v.shape), str(v.dtype)) if torch.is_tensor(v) else ("value", v)
-            for k, v in sorted(optimizer.state.get(p, {}).items())
-        }
-        for p in params
-    ]
-    root_groups, root_layout = exchange.broadcast_object((groups, layout), root_rank)
-    if len(root_groups) != len(groups) or len(root_layout) != len(layout):
-        raise ValueError(
-            "torchacc.horovod.broadcast_optimizer_state: the optimizers differ across ranks "
-            f"({len(groups)} groups and {len(layout)} parameters here, {len(root_groups)} and "
-            f"{len(root_layout)} on rank {root_rank})"
-        )
-    for g, root in zip(optimizer.param_groups, root_groups, strict=True):
-        for k, v in root.items():
-            if torch.is_tensor(g.get(k)) and torch.is_tensor(v):
-                g[k].copy_(v)
-            else:
-                g[k] = v
-    tensors = []
-    for p, mine, root in zip(params, layout, root_layout, strict=True):
-        if mine.keys() != root.keys() or any(
-            mine[k] != root[k] for k in root if root[k][0] == "tensor"
-        ):
-            raise ValueError(
-                "torchacc.horovod.broadcast_optimizer_state: the state of a parameter of shape "
-                f"{tuple(p.shape)} differs across ranks: {mine} here, {root} on rank {root_rank}"
-            )
-        state = optimizer.state[p] if root else {}
-        for k, desc in root.items():
-            if desc[0] == "value":
-                state[k] = desc[1]
-            else:
-                tensors.append(state[k])
-    if tensors:
-        with torch.no_grad():
-            _broadcast_tensors("broadcast_optimizer_state", tensors, root_rank)
+    exchange._check_root("broadcast_optimizer_state", root_rank)
+    if basics.size() > 1:
+        state.broadcast_optimizer_state(optimizer, root_rank)
