@@ -4,8 +4,10 @@ Open MPI's environment; and the single-process behaviour (a world of 1, errors b
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
 from distributed_launch import REPO, env, free_port
@@ -109,3 +111,77 @@ print("ok")
         cwd=REPO,
     )
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stderr[-3000:]
+
+
+MINI = os.path.join(REPO, "tests", "hvd_mini.py")
+
+
+def _minis(tmp_path):
+    return [json.loads((tmp_path / f"mini-{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.timeout(200)
+def test_torchaccrun_starts_ranks_and_stops_them_when_one_fails(tmp_path):
+    run = [sys.executable, "-m", "torchacc.horovod.run", "-np", "2", "-H", "localhost:2"]
+    p = subprocess.run(
+        [*run, sys.executable, MINI, str(tmp_path)],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+    )
+    assert p.returncode == 0, p.stderr[-3000:]
+    a, b = _minis(tmp_path)
+    assert (a["rank"], b["rank"], a["size"], b["local_rank"]) == (0, 1, 2, 1)
+    assert a["port"] == b["port"] and a["average"] == 1.5
+    # rank 1 fails: rank 0 (asleep) is stopped, the launcher exits 3 with one line
+    start = time.monotonic()
+    p = subprocess.run(
+        [*run, sys.executable, MINI, str(tmp_path), "1"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+    )
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert "torchaccrun: rank 1 exited with code 3; stopping the other 1 running" in p.stderr
+    assert time.monotonic() - start < 50
+    bad = subprocess.run(
+        [*run[:-2], "-H", "otherhost:2", "true"],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert bad.returncode != 0 and "one node only" in bad.stderr
+
+
+@pytest.mark.timeout(200)
+def test_real_mpirun_through_a_shell_gets_one_job_port(tmp_path):
+    """``mpirun -np 2 sh train.sh``, as the seed does: MPICH sets no job id, and each rank's
+    parent is its own shell; the ranks still agree on the port (the hydra proxy's pid)."""
+    mpirun = shutil.which("mpirun")
+    if mpirun is None:
+        pytest.skip("no mpirun on PATH (pip install mpich, part of the [test] extra)")
+    version = subprocess.run([mpirun, "--version"], capture_output=True, text=True, timeout=30)
+    if "HYDRA" not in version.stdout:
+        pytest.skip(f"mpirun is not MPICH's hydra: {version.stdout.splitlines()[:1]}")
+    script = tmp_path / "train.sh"
+    script.write_text(f"#!/bin/sh\nexec {sys.executable} {MINI} {tmp_path}\n")
+    e = env()
+    e.pop("MASTER_PORT", None)
+    p = subprocess.run(
+        [mpirun, "-np", "2", "sh", str(script)],
+        env=e,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        cwd=REPO,
+    )
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    a, b = _minis(tmp_path)
+    assert (a["rank"], b["rank"], a["size"], a["local_rank"], b["local_rank"]) == (0, 1, 2, 0, 1)
+    assert a["port"] == b["port"] and 20000 <= int(a["port"]) < 40000

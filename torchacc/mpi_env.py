@@ -5,8 +5,10 @@ Open MPI sets ``OMPI_COMM_WORLD_{RANK,SIZE,LOCAL_RANK,LOCAL_SIZE}``; MPICH (hydr
 set ``PMI_RANK``, ``PMI_SIZE``, ``MPI_LOCALRANKID``, ``MPI_LOCALNRANKS``. Two jobs on one machine
 must not rendezvous on the same port, so the port is derived from the job's identity: Open MPI's
 job id (``OMPI_MCA_ess_base_jobid``, 4.x) or PMIx namespace (``PMIX_NAMESPACE``, 5.x). MPICH sets
-no job id, but all ranks of a job on one node are children of the same hydra proxy, so its process
-id names the job there (a multi-node MPICH job needs ``MASTER_ADDR`` and ``MASTER_PORT``).
+no job id, but all ranks of a job on one node descend from the same hydra proxy
+(``hydra_pmi_proxy``, found up the process tree: ``mpirun sh train.sh`` puts a shell per rank in
+between), so its process id names the job there (a multi-node MPICH job needs ``MASTER_ADDR`` and
+``MASTER_PORT``).
 """
 
 from __future__ import annotations
@@ -35,11 +37,40 @@ def job_port(job: str) -> int:
     return PORT_BASE + int.from_bytes(digest[:4], "big") % PORT_SPAN
 
 
+def _parent(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _comm(pid):
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except OSError:
+        return ""
+
+
+def mpich_proxy():
+    """The pid of the hydra proxy above this process (``mpirun ... sh train.sh`` puts a shell in
+    between, one per rank), else the parent's pid."""
+    pid = os.getppid()
+    for _ in range(8):
+        if pid is None or pid <= 1:
+            break
+        if _comm(pid).startswith("hydra_pmi_prox"):
+            return pid
+        pid = _parent(pid)
+    return os.getppid()
+
+
 def job_id(environ, keys, ppid=None) -> str | None:
-    """The job's identity from ``keys`` (None in ``keys`` stands for the parent process id)."""
+    """The job's identity from ``keys`` (None in ``keys`` stands for the hydra proxy's pid)."""
     for k in keys:
         if k is None:
-            return f"ppid:{os.getppid() if ppid is None else ppid}"
+            return f"ppid:{mpich_proxy() if ppid is None else ppid}"
         if environ.get(k):
             return f"{k}:{environ[k]}"
     return None
