@@ -4,7 +4,7 @@
 
 Every rank averages ``rank + 1`` on CPU and on the torchacc device and writes
 ``OUT/mini-<rank>.json``; with ``fail-rank`` that rank exits with code 3 instead and the others
-wait for a minute (the launcher must stop them).
+wait in ``hvd.init()`` and then a minute (the launcher must stop them).
 """
 
 import json
@@ -17,12 +17,13 @@ import torch
 import torchacc
 import torchacc.horovod as hvd
 
+if len(sys.argv) > 2:  # before hvd.init(): the other ranks then wait there to be stopped
+    if os.environ["RANK"] == sys.argv[2]:
+        sys.exit(3)
+    hvd.init()
+    time.sleep(60)
 hvd.init()
 out, me = sys.argv[1], hvd.rank()
-if len(sys.argv) > 2:
-    if me == int(sys.argv[2]):
-        sys.exit(3)
-    time.sleep(60)
 x = torch.tensor([float(me + 1)])
 want = sum(range(1, hvd.size() + 1)) / hvd.size()
 cpu = hvd.allreduce(x).item()
