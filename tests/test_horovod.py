@@ -90,7 +90,13 @@ except ValueError as e:
     assert "hvd.init()" in str(e), e
 else:
     raise AssertionError("no error before init")
-hvd.init()
+import torchacc.distributed as dist
+assert dist.use_torchacc is False
+dist.init_process_group("nccl", world_size=1, rank=0)  # no launcher: a world of one on gloo
+t = torch.ones(2)
+dist.all_reduce(t)
+assert dist.get_world_size() == 1 and t.tolist() == [1.0, 1.0]
+hvd.init()  # adopts that group
 assert (hvd.size(), hvd.rank(), hvd.local_rank(), hvd.local_size()) == (1, 0, 0, 1)
 x = torch.arange(4.0)
 assert torch.equal(hvd.allreduce(x), x) and torch.equal(hvd.allgather(x), x)
