@@ -24,6 +24,8 @@ STAGES = [
             "torchacc.accel",
             "torchacc.amp",
             "torchacc.distributed",
+            "torchacc.horovod",
+            "torchacc.nn",
             "torchacc.parallel",
             "torchacc_ops",
         ],
@@ -34,7 +36,10 @@ STAGES = [
     ("ir", ["torchacc.ir"]),
     ("runtime", ["torchacc.runtime"]),
     ("lowering", ["torchacc.lowering"]),
-    ("base", ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks"]),
+    (
+        "base",
+        ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks", "torchacc.mpi_env"],
+    ),
 ]
 # frontends are independent of each other: the trace-once path reuses the stages below, not the
 # lazy recorder (and the other way round)

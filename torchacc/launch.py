@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import importlib.util
 import os
 import shutil
@@ -94,57 +93,8 @@ def find_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-_MPI_VARIANTS = (
-    # (rank, size, local rank, local size)
-    (
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-)
-_MPI_JOB_IDS = ("OMPI_MCA_ess_base_jobid", "OMPI_MCA_orte_ess_jobid", "PMIX_NAMESPACE", "PMI_ID")
-
-
-def mpi_environment(environ: dict[str, str] | None = None) -> dict[str, str] | None:
-    """torch.distributed variables for a process started by mpirun, or None if not under MPI.
-
-    RANK/WORLD_SIZE/LOCAL_RANK/LOCAL_WORLD_SIZE come from the MPI variables. MASTER_ADDR and
-    MASTER_PORT are kept if set; otherwise MASTER_ADDR is 127.0.0.1 (single node only) and
-    MASTER_PORT is derived from the MPI job id, so all ranks of one job agree on it without
-    talking and two jobs on one machine get different ports.
-    """
-    env = os.environ if environ is None else environ
-    for rank_k, size_k, lrank_k, lsize_k in _MPI_VARIANTS:
-        if rank_k in env and size_k in env:
-            rank, size = int(env[rank_k]), int(env[size_k])
-            local_rank = int(env.get(lrank_k, rank))
-            local_size = int(env.get(lsize_k, size))
-            out = {
-                "RANK": str(rank),
-                "WORLD_SIZE": str(size),
-                "LOCAL_RANK": str(local_rank),
-                "LOCAL_WORLD_SIZE": str(local_size),
-                "GROUP_RANK": str(rank // max(local_size, 1)),
-            }
-            if "MASTER_ADDR" not in env and local_size < size:
-                raise RuntimeError(
-                    "mpirun across several nodes: pass --master_addr (or set MASTER_ADDR) to the "
-                    "address of the node running rank 0"
-                )
-            out["MASTER_ADDR"] = env.get("MASTER_ADDR", "127.0.0.1")
-            if "MASTER_PORT" in env:
-                out["MASTER_PORT"] = env["MASTER_PORT"]
-            else:
-                job = next((env[k] for k in _MPI_JOB_IDS if env.get(k)), None)
-                if job is None:
-                    out["MASTER_PORT"] = "29500"
-                else:
-                    digest = hashlib.sha1(job.encode()).digest()
-                    out["MASTER_PORT"] = str(20000 + int.from_bytes(digest[:4], "big") % 20000)
-            return out
-    return None
+# mpirun's environment -> torchrun's, with a per-job port (torchacc/mpi_env.py)
+mpi_environment = _load_sibling("mpi_env").mpi_environment
 
 
 def _already_a_worker(environ) -> bool:

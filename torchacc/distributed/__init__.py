@@ -7,9 +7,16 @@ XLA program that the next ``torchacc.sync()`` runs -- there is no transport of o
 
 - ``torchacc.runtime.processes``: joins the job from torchrun's environment, rank / world size /
   local rank; ``torchacc.program.spmd``: the process mesh and the SPMD compile described below.
-- ``collectives``: ``all_reduce``, ``all_gather``, ``reduce_scatter``, ``broadcast``,
-  ``all_to_all``, ``barrier``, ``rendezvous``, ``broadcast_parameters`` on torchacc tensors.
+- ``collectives``: torch_xla-style ``all_reduce(reduce_type, inputs, scale)``, ``all_gather``,
+  ``reduce_scatter``, ``broadcast(tensors, src)``, ``all_to_all``, ``broadcast_parameters`` on
+  torchacc tensors (what ``xm.*`` calls); ``host``: ``barrier(tag)``, ``rendezvous``.
 - ``xla_backend``: the ``"xla"`` ``torch.distributed`` backend built on ``collectives``.
+- this package is also a drop-in for ``torch.distributed`` (``import torchacc.distributed as
+  dist``): ``torch_api`` has ``init_process_group``, ``get_rank``, ``all_reduce``, ``broadcast``,
+  ``all_gather``, ``barrier`` with torch's signatures on CPU, CUDA and torchacc tensors (the
+  launcher's world replaces a one-process script's); every other name is ``torch.distributed``'s.
+  ``use_torchacc`` (a bool fixed at import: the launcher started more than one process),
+  ``get_local_rank()`` and ``broadcast_optimizer_state`` (``state``) are the AIACC additions.
 
 Note [Multi-process programs]
 A graph with no collective is compiled as before: a ``jax.jit`` program on this process's device,
@@ -45,43 +52,51 @@ creation order (not a set's address order), so the same recorded program gives t
 order -- hence the same collective order -- in every process.
 """
 
+from torchacc import mpi_env as _mpi_env
 from torchacc.runtime.processes import (  # noqa: F401
     AXIS,
     initialize,
-    is_initialized,
-    local_rank,
     local_world_size,
     maybe_initialize,
-    rank,
     set_replication,
-    world_size,
 )
 
-get_rank = rank
-get_world_size = world_size
-get_local_rank = local_rank
-get_local_world_size = local_world_size
+use_torchacc = _mpi_env.job_world_size() > 1
+
+_TORCH_API = (
+    "init_process_group",
+    "get_rank",
+    "get_world_size",
+    "get_local_rank",
+    "get_local_world_size",
+    "all_reduce",
+    "broadcast",
+    "all_gather",
+    "barrier",
+    "ReduceOp",
+)
+
+
+def broadcast_optimizer_state(optimizer, root_rank=0):
+    """Every rank's optimizer state and hyperparameters become rank ``root_rank``'s (a no-op in a
+    one-process job)."""
+    from torchacc.distributed import state, torch_api
+
+    if torch_api.get_world_size() > 1:
+        state.broadcast_optimizer_state(optimizer, root_rank)
 
 
 def __getattr__(name):
+    import importlib
+
     # collectives register custom ops and rules: load them on first use, not with the runtime
-    if name in ("collectives", "xla_backend"):
-        import importlib
-
+    if name in ("collectives", "xla_backend", "state", "host", "torch_api"):
         return importlib.import_module(f"torchacc.distributed.{name}")
-    if name in (
-        "all_reduce",
-        "all_gather",
-        "reduce_scatter",
-        "broadcast",
-        "all_to_all",
-        "barrier",
-        "rendezvous",
-        "broadcast_parameters",
-        "broadcast_master_param",
-        "collective_broadcast",
-    ):
-        from torchacc.distributed import collectives
+    if name in _TORCH_API:
+        return getattr(importlib.import_module("torchacc.distributed.torch_api"), name)
+    import torch.distributed
 
-        return getattr(collectives, name)
-    raise AttributeError(f"module 'torchacc.distributed' has no attribute {name!r}")
+    try:
+        return getattr(torch.distributed, name)
+    except AttributeError:
+        raise AttributeError(f"module 'torchacc.distributed' has no attribute {name!r}") from None

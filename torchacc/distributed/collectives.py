@@ -23,14 +23,15 @@ import jax
 import jax.numpy as jnp
 import torch
 
+from torchacc.distributed.host import barrier, rendezvous  # noqa: F401  (xm's host-side waits)
 from torchacc.engine import execute
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering.registry import register
-from torchacc.runtime import processes as runtime
 from torchacc.runtime.processes import AXIS, is_initialized, local_rank, rank, world_size
 
 __all__ = [
     "all_reduce",
+    "all_reduce_coalesced",
     "all_gather",
     "reduce_scatter",
     "broadcast",
@@ -345,17 +346,24 @@ def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
     tensors = [inputs] if single else list(inputs)
     if not tensors:
         return inputs
-    scale = float(scale)
-    _check_tensors("all_reduce", tensors)
-    _check_reduction("all_reduce", op, tensors, scale)
-    if world_size() == 1:
-        results = [_local_scale(t, scale) for t in tensors]
-    else:
-        results = ops.all_reduce.default(tensors, op, scale, scale != 1.0)
+    results = all_reduce_coalesced(op, tensors, scale)
     if single:
         return results[0]
     _write(tensors, results)
     return inputs
+
+
+def all_reduce_coalesced(reduce_type, tensors, scale=1.0):
+    """Reduce a list of tensors over all processes as one collective; returns new tensors."""
+    op = reduce_op_name(reduce_type)
+    tensors, scale = list(tensors), float(scale)
+    _check_tensors("all_reduce", tensors)
+    _check_reduction("all_reduce", op, tensors, scale)
+    if not tensors:
+        return []
+    if world_size() == 1:
+        return [_local_scale(t, scale) for t in tensors]
+    return list(ops.all_reduce.default(tensors, op, scale, scale != 1.0))
 
 
 def all_gather(value, dim=0, groups=None, output=None, pin_layout=True):
@@ -478,50 +486,6 @@ def all_to_all(
 
 
 # --------------------------------------------------------------------------------------------
-# host-side synchronisation (the JAX coordination service; nothing is recorded)
-
-_barrier_count = itertools.count()
-_rendezvous_count = itertools.count()
-
-
-def _client(name):
-    client = runtime._jax_distributed_client()
-    if client is None:
-        raise RuntimeError(f"torchacc.distributed.{name}: the multi-process runtime is not running")
-    return client
-
-
-def barrier(tag="", timeout_s=1800.0):
-    """Block until every process reaches a barrier (a host-side wait; pending work is not run)."""
-    if world_size() == 1:
-        return
-    n = next(_barrier_count)
-    _client("barrier").wait_at_barrier(f"torchacc/barrier/{n}/{tag}", int(timeout_s * 1000))
-
-
-def rendezvous(tag, payload=b"", replicas=(), timeout_s=1800.0):
-    """torch_xla's ``xm.rendezvous``: wait for every process and return all their payloads."""
-    if replicas and sorted(replicas) != list(range(world_size())):
-        raise NotImplementedError(
-            f"torchacc.distributed.rendezvous: replicas={list(replicas)} is not supported (only "
-            "all processes)"
-        )
-    payload = bytes(payload)
-    w = world_size()
-    if w == 1:
-        return [payload]
-    client = _client("rendezvous")
-    n = next(_rendezvous_count)
-    prefix = f"torchacc/rendezvous/{n}/{tag}"
-    client.key_value_set_bytes(f"{prefix}/{rank()}", payload)
-    ms = int(timeout_s * 1000)
-    out = [client.blocking_key_value_get_bytes(f"{prefix}/{r}", ms) for r in range(w)]
-    client.wait_at_barrier(f"{prefix}/done", ms)
-    client.key_value_delete(f"{prefix}/{rank()}")
-    return out
-
-
-# --------------------------------------------------------------------------------------------
 # recipes
 
 
@@ -538,6 +502,7 @@ def broadcast_parameters(module, src=0):
         if isinstance(t, LazyTensor)
     ]
     if tensors and world_size() > 1:
+        execute.sync()  # pending work may differ between ranks (a rank-0-only load): run it alone
         broadcast(tensors, src)
         execute.sync()
     return module

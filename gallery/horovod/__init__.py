@@ -1,0 +1,1 @@
+"""Horovod-API example (gallery/horovod/train.py)."""

@@ -1,0 +1,3 @@
+"""``torchacc.nn``: module wrappers for the drop-ins (``torchacc.nn.parallel``)."""
+
+from torchacc.nn import parallel  # noqa: F401
