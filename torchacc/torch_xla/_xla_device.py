@@ -49,20 +49,21 @@ def resolve(spec):
     naming ``spec`` and what exists."""
     if spec is None:
         return torchacc.device()
+    shown = repr(str(spec)) if isinstance(spec, torch.device) else repr(spec)
     if isinstance(spec, int) and not isinstance(spec, bool):
         dev = torch.device(_XLA, spec)
     elif isinstance(spec, (str, torch.device)):
         try:
             dev = torch.device(spec)
         except RuntimeError as e:
-            raise ValueError(f"device {spec!r}: not a device; devices here: {_available()}") from e
+            raise ValueError(f"device {shown}: not a device; devices here: {_available()}") from e
     else:
-        raise TypeError(f"device {spec!r}: expected a str, torch.device or int")
+        raise TypeError(f"device {shown}: expected a str, torch.device or int")
     if dev.type not in (_XLA, "torchacc"):
-        raise ValueError(f"device {spec!r}: not an XLA device; devices here: {_available()}")
+        raise ValueError(f"device {shown}: not an XLA device; devices here: {_available()}")
     if dev.index not in (None, 0):
         raise ValueError(
-            f"device {spec!r}: no such device; each torchacc process drives one device, so the "
+            f"device {shown}: no such device; each torchacc process drives one device, so the "
             f"devices here are {_available()}; start one process per device with torchrun"
         )
     return torchacc.device()

@@ -1,0 +1,110 @@
+"""torch_xla scripts' ``device="xla"`` strings and ``xla::<op>`` counters (issue 33).
+
+Note [The xla device string] (torchacc/torch_xla/_xla_device.py); the counters are
+torchacc/lazy/op_counters.py's.
+"""
+
+import pytest
+import torch
+
+import torchacc
+import torchacc.torch_xla  # noqa: F401  (installs the xla device mapping)
+import torchacc.torch_xla.debug.metrics as met
+from torchacc.torch_xla import _xla_device
+
+
+def test_xla_strings_reach_the_torchacc_device_with_eager_numerics():
+    dev = torchacc.device()
+    torch.manual_seed(0)
+    host = torch.randn(3, 4)
+    model = torch.nn.Linear(4, 2)
+    eager_out = model(host) * 2 + torch.arange(2.0)
+    made = {
+        "tensor": torch.tensor([[1.0, 2.0]], device="xla"),
+        "as_tensor": torch.as_tensor([3, 4], device="xla:0"),
+        "asarray": torch.asarray([5.0], device=torch.device("xla")),
+        "to": host.to("xla"),
+        "to_kw": host.to(device="xla:0", dtype=torch.float16),
+        "new_tensor": host.new_tensor([6.0], device="xla"),
+        "zeros": torch.zeros(2, 3, device="xla"),
+        "full": torch.full((2,), 7.0, device="xla:0"),
+        "arange": torch.arange(5, device="xla"),
+        "eye": torch.eye(3, device=torch.device("xla", 0)),
+        "zeros_like": torch.zeros_like(host, device="xla"),
+        "rand": torch.rand(4, device="xla"),
+    }
+    for name, t in made.items():
+        assert t.device == dev, name
+    model = model.to("xla")  # Module.to goes through Tensor.to
+    assert model.weight.device == dev
+    out = model(made["to"]) * 2 + torch.arange(2.0, device="xla")
+    torchacc.sync()
+    torch.testing.assert_close(out.cpu(), eager_out)
+    torch.testing.assert_close(made["to_kw"].cpu(), host.half())
+    assert made["tensor"].cpu().tolist() == [[1.0, 2.0]]
+    assert made["as_tensor"].cpu().tolist() == [3, 4] and made["as_tensor"].dtype == torch.int64
+    assert made["asarray"].cpu().tolist() == [5.0]
+    assert made["new_tensor"].cpu().tolist() == [6.0]
+    assert made["full"].cpu().tolist() == [7.0, 7.0]
+    assert made["arange"].cpu().tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(made["eye"].cpu(), torch.eye(3))
+    assert made["zeros"].cpu().abs().sum().item() == 0
+    rand = made["rand"].cpu()
+    assert ((rand >= 0) & (rand < 1)).all() and rand.unique().numel() == 4
+    # other devices are untouched
+    assert host.to("cpu") is host and torch.tensor([1.0]).device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(2, device="xla:3"),
+        lambda: torch.tensor([1.0], device="xla:3"),
+        lambda: torch.randn(2).to("xla:3"),
+        lambda: torch.randn(2).to(torch.device("xla", 3)),
+    ],
+    ids=["factory", "tensor", "to", "to_device"],
+)
+def test_another_device_index_is_one_clear_error(make):
+    with pytest.raises(ValueError) as info:
+        make()
+    msg = str(info.value)
+    assert "'xla:3'" in msg and "no such device" in msg and "'xla:0'" in msg, msg
+
+
+def test_resolve_names_the_string_and_what_exists():
+    dev = torchacc.device()
+    for spec in ("xla", "xla:0", torch.device("xla"), 0, None, "torchacc:0", dev):
+        assert _xla_device.resolve(spec) == dev
+    for spec, what in (("cuda:0", "not an XLA device"), ("tpu", "not a device"), (2, "no such")):
+        with pytest.raises(ValueError) as info:
+            _xla_device.resolve(spec)
+        assert f"device {spec!r}:" in str(info.value)
+        assert what in str(info.value) and "'xla:0'" in str(info.value)
+    with pytest.raises(TypeError, match="expected a str"):
+        _xla_device.resolve(1.5)
+
+
+def test_xla_op_counters_count_recorded_ops_and_clear():
+    dev = torchacc.device()
+    a = torch.ones(4, 4, device=dev)
+    torchacc.sync()
+    met.clear_counters()
+    assert met.counter_value("xla::mm") is None and "xla::mm" not in met.counter_names()
+    b = a @ a
+    c = b @ a + 1
+    d = (c + b).sum()
+    assert met.counter_value("xla::mm") == 2
+    assert met.counter_value("xla::add") == 2
+    assert met.counter_value("xla::sum") == 1
+    assert {"xla::mm", "xla::add", "xla::sum"} <= set(met.counter_names())
+    assert "Counter: xla::mm\n  Value: 2" in met.metrics_report()
+    torchacc.sync()
+    assert d.item() == 16 * (16 + 1 + 4)  # b = 4, c = 17 everywhere
+    # a fallback (data-dependent shape) runs on CPU: counted as aten::<op>, not recorded
+    met.clear_counters()
+    assert met.counter_value("xla::mm") is None
+    idx = torch.nonzero(torch.tensor([0.0, 3.0], device=dev) * 2)
+    assert idx.cpu().flatten().tolist() == [1]
+    assert met.counter_value("aten::nonzero") == 1 and met.counter_value("xla::nonzero") is None
+    assert met.counter_value("xla::mul") == 1
