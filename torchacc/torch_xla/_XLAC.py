@@ -4,9 +4,14 @@ Implemented: syncing (``_xla_sync_multi``, ``_xla_sync_live_tensors``, ``_xla_st
 ``_xla_wait_device_ops``), devices (``_xla_get_default_device``, ``_xla_get_all_devices``,
 ``_xla_real_devices``, ``_xla_device_kind``, ``_xla_memory_info``, ``_xla_tensors_from_aten``),
 tensor ids and the pending graph as text or HLO (``_xla_get_tensor_id``,
-``_get_xla_tensors_text``, ``_get_xla_tensors_hlo``), RNG seed, mat-mul precision, and the metric
-and counter calls behind ``torch_xla.debug.metrics``. Any other name raises an error that is both
-``NotImplementedError`` (with the reason) and ``AttributeError`` (so ``hasattr`` stays False).
+``_get_xla_tensors_text``, ``_get_xla_tensors_hlo``), RNG seed, mat-mul precision, the metric
+and counter calls behind ``torch_xla.debug.metrics`` (``_xla_increment_counter`` too), and the
+internals torch_xla's own tests call: ``_xla_dot_general`` (recorded like any op),
+``_set_allow_execution``, ``_init_computation_client``, ``_get_git_revs``, tensor reports and debug
+info, ``_unsafe_buffer_pointer``, and the flags torchacc keeps without acting on
+(``_xla_set_enable_alias_with_buffer_donor_config``: torchacc always donates what no live tensor
+holds; ``_set_ir_debug``). Any other name raises an error that is both ``NotImplementedError``
+(with the reason) and ``AttributeError`` (so ``hasattr`` stays False).
 """
 
 from __future__ import annotations
@@ -244,6 +249,129 @@ def _clear_xla_metrics():
 
 def _get_executed_fallback_ops():
     return _met().executed_fallback_ops()
+
+
+def _xla_increment_counter(name, value):
+    from torchacc import metrics
+
+    metrics.counter_inc(name, value)
+
+
+# --- internals torch_xla's tests call ----------------------------------------------------------
+
+
+def _xla_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
+    """XLA's DotGeneral on torchacc tensors, recorded as ordinary ops (permute, reshape, bmm).
+
+    ``dimension_numbers`` is ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` (the
+    batch pair may be empty); the result's dimensions are batch, lhs free, rhs free."""
+    contract = dimension_numbers[0]
+    batch = dimension_numbers[1] if len(dimension_numbers) > 1 and dimension_numbers[1] else ()
+    lc, rc = [list(d) for d in contract]
+    lb, rb = ([list(d) for d in batch]) if batch else ([], [])
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"_xla_dot_general: unpaired dimension numbers {dimension_numbers}")
+    if preferred_element_type is not None:
+        lhs, rhs = lhs.to(preferred_element_type), rhs.to(preferred_element_type)
+    lf = [d for d in range(lhs.dim()) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.dim()) if d not in rc and d not in rb]
+    for a, b in zip(lc + lb, rc + rb):
+        if lhs.shape[a] != rhs.shape[b]:
+            raise ValueError(
+                f"_xla_dot_general: lhs dim {a} ({lhs.shape[a]}) != rhs dim {b} ({rhs.shape[b]}) "
+                f"for shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}"
+            )
+
+    def size(t, dims):
+        n = 1
+        for d in dims:
+            n *= t.shape[d]
+        return n
+
+    batch_shape = [lhs.shape[d] for d in lb]
+    left = lhs.permute(*lb, *lf, *lc).reshape(size(lhs, lb), size(lhs, lf), size(lhs, lc))
+    right = rhs.permute(*rb, *rc, *rf).reshape(size(rhs, rb), size(rhs, rc), size(rhs, rf))
+    out = torch.bmm(left, right)
+    return out.reshape(*batch_shape, *[lhs.shape[d] for d in lf], *[rhs.shape[d] for d in rf])
+
+
+def _set_allow_execution(allow):
+    """``False``: launching any program raises (torch_xla's guard for compiled regions)."""
+    from torchacc.engine import execute
+
+    execute.allow_execution[0] = bool(allow)
+
+
+def _init_computation_client():
+    torchacc.jax_device()  # starts JAX's backend; raises if the platform cannot start
+
+
+def _get_git_revs():
+    from torchacc.torch_xla import __version__
+
+    return {"torch": torch.version.git_version, "torch_xla": __version__}
+
+
+_flags = {"alias_with_buffer_donor": False, "ir_debug": False}
+
+
+@differs("kept, changes nothing: torchacc donates every input buffer no live tensor holds")
+def _xla_set_enable_alias_with_buffer_donor_config(enable):
+    _flags["alias_with_buffer_donor"] = bool(enable)
+
+
+def _xla_get_enable_alias_with_buffer_donor_config():
+    return _flags["alias_with_buffer_donor"]
+
+
+@differs("kept, changes nothing: torchacc's op sites are TORCHACC_DEBUG=1")
+def _set_ir_debug(enable):
+    _flags["ir_debug"] = bool(enable)
+
+
+def _get_ir_debug():
+    return _flags["ir_debug"]
+
+
+def _xla_tensors_report(nodes_threshold=0, device=""):
+    """Live torchacc tensors and how many hold pending (unsynced) values."""
+    from torchacc.ir import live_storages
+
+    storages = list(live_storages())
+    pending = sum(st.value.node is not None for st in storages)
+    return (
+        f"TensorsReport (torchacc)\n  live storages: {len(storages)}\n"
+        f"  with pending values: {pending}\n"
+    )
+
+
+def _get_xla_tensor_debug_info(tensor):
+    (value,) = _values([tensor])
+    return (
+        f"XLATensor {{\nTensorID: {_xla_get_tensor_id(tensor)}\nDevice: {tensor.device}\n"
+        f"XLA Shape: {_desc_text(value.desc)}\n"
+        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}\n}}\n"
+    )
+
+
+def _get_xla_tensor_dimension_size(tensor, dim):
+    return torch.tensor(tensor.shape[dim], dtype=torch.int32, device=tensor.device)
+
+
+def _unsafe_buffer_pointer(tensor):
+    """The device address of ``tensor``'s buffer (computed first if pending)."""
+    from torchacc.lazy.record import value_of
+
+    _values([tensor])
+    if value_of(tensor).node is not None:
+        torchacc.sync(wait=True)
+    value = value_of(tensor)
+    if value.buf is None or type(value.buf) is tuple:
+        raise RuntimeError(
+            "_unsafe_buffer_pointer: the tensor has no buffer of its own (donated, or a piece of "
+            "a packed buffer, Note [Packed state])"
+        )
+    return value.buf.unsafe_buffer_pointer()
 
 
 _NO_SPMD = "XLA sharding objects: torchacc has no SPMD partitioner (one device per process)"
