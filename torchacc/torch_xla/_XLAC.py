@@ -21,7 +21,7 @@ import itertools
 import torch
 
 import torchacc
-from torchacc.torch_xla._api import differs, not_implemented_class
+from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
 
 class XLACNotImplementedError(NotImplementedError, AttributeError):
@@ -373,6 +373,13 @@ def _unsafe_buffer_pointer(tensor):
         )
     return value.buf.unsafe_buffer_pointer()
 
+
+_DONATION = (
+    "marking a live tensor's buffer for donation is not implemented: torchacc donates every input "
+    "buffer that no live tensor holds, at each sync"
+)
+_set_buffer_donation = not_implemented("torch_xla._XLAC._set_buffer_donation", _DONATION)
+_get_buffer_donation = not_implemented("torch_xla._XLAC._get_buffer_donation", _DONATION)
 
 _NO_SPMD = "XLA sharding objects: torchacc has no SPMD partitioner (one device per process)"
 OpSharding = not_implemented_class("torch_xla._XLAC.OpSharding", _NO_SPMD)

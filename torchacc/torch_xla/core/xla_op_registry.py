@@ -9,7 +9,7 @@ needs torch_xla's C++ XlaBuilder bindings, so calling a registered op raises
 
 from __future__ import annotations
 
-from torchacc.torch_xla._api import not_implemented
+from torchacc.torch_xla._api import STATUS_ATTR, differs, not_implemented
 from torchacc.torch_xla.core import xla_builder as xb
 
 _REASON = (
@@ -21,6 +21,8 @@ _REASON = (
 class Op:
     """An operation registered by name; calling it raises ``NotImplementedError``."""
 
+    locals()[STATUS_ATTR] = ("not implemented", _REASON)
+
     def __init__(self, name, opfn):
         self._name = name
         self._opfn = opfn
@@ -30,6 +32,7 @@ class Op:
         raise NotImplementedError(f"xor.register({self._name!r}): {_REASON}")
 
 
+@differs("registers the name; calling the op raises NotImplementedError (XlaBuilder lowering)")
 def register(name, opfn):
     """Register ``opfn`` (an XlaBuilder lowering) as op ``name``; the op raises when called."""
     return Op(name, opfn)
