@@ -124,7 +124,9 @@ def _values(tensors):
 
 
 def _get_xla_tensors_text(tensors):
-    """The pending graph computing ``tensors``, one recorded op per line."""
+    """The pending graph computing ``tensors`` in torch_xla's IR text form: one line per data
+    input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
+    aten::add.Tensor(%0, %1)``), then the roots."""
     from torchacc import program as compiler
 
     values = _values(tensors)
@@ -135,27 +137,57 @@ def _get_xla_tensors_text(tensors):
         graph = compiler.Graph(pending)
         for i, v in enumerate(graph.inputs):
             names[id(v)] = f"%{i}"
-            lines.append(f"  %{i} = data {_desc_text(v.desc)}")
+            lines.append(f"  %{i} = {_desc_text(v.desc)} xla::device_data()")
         n = len(graph.inputs)
         for node in graph.order:
-            args = ", ".join(
-                names[id(v)] if v.node is None else f"{names[id(v.node)]}.{v.index}"
-                for v in node.inputs
-            )
+            args = ", ".join(_ref(v, names) for v in node.inputs)
             names[id(node)] = f"%{n}"
-            outs = ", ".join(_desc_text(d) for d in node.op.descs if d is not None)
-            lines.append(f"  %{n} = {node.op.rule.name}({args}) -> ({outs})")
+            outs = [_desc_text(d) for d in node.op.descs if d is not None]
+            outs = outs[0] if len(outs) == 1 else f"({', '.join(outs)})"
+            lines.append(f"  %{n} = {outs} {_op_text(node.op.rule.name)}({args})")
             n += 1
     for i, v in enumerate(values):
-        where = "data" if v.node is None else f"{names[id(v.node)]}.{v.index}"
+        where = "xla::device_data()" if v.node is None else _ref(v, names)
         lines.append(f"  ROOT {i} = {where}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
+def _ref(value, names):
+    """``%n`` for a data input or a one-output node's value, ``%n.i`` for output i of several."""
+    if value.node is None:
+        return names[id(value)]
+    several = sum(d is not None for d in value.node.op.descs) > 1
+    return f"{names[id(value.node)]}.{value.index}" if several else names[id(value.node)]
+
+
+_SHORT_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "s64",
+    torch.int32: "s32",
+    torch.int16: "s16",
+    torch.int8: "s8",
+    torch.uint8: "u8",
+    torch.uint32: "u32",
+    torch.bool: "pred",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
+
+
 def _desc_text(desc):
     shape, dtype = desc[0], desc[2]
-    return f"{str(dtype).replace('torch.', '')}[{','.join(map(str, shape))}]"
+    name = _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+    return f"{name}[{','.join(map(str, shape))}]"
+
+
+def _op_text(rule_name):
+    """``aten.add.Tensor`` -> ``aten::add.Tensor`` (torch_xla's IR names ops ``aten::add``)."""
+    namespace, _, rest = rule_name.partition(".")
+    return f"{namespace}::{rest}" if rest else rule_name
 
 
 def _get_xla_tensors_hlo(tensors):

@@ -9,7 +9,7 @@ needs torch_xla's C++ XlaBuilder bindings, so calling a registered op raises
 
 from __future__ import annotations
 
-from torchacc.torch_xla._api import STATUS_ATTR, differs, not_implemented
+from torchacc.torch_xla._api import differs, not_implemented
 from torchacc.torch_xla.core import xla_builder as xb
 
 _REASON = (
@@ -18,10 +18,9 @@ _REASON = (
 )
 
 
+@differs("constructs; calling the op raises NotImplementedError (XlaBuilder lowering)")
 class Op:
     """An operation registered by name; calling it raises ``NotImplementedError``."""
-
-    locals()[STATUS_ATTR] = ("not implemented", _REASON)
 
     def __init__(self, name, opfn):
         self._name = name
