@@ -108,3 +108,13 @@ def test_xla_op_counters_count_recorded_ops_and_clear():
     assert idx.cpu().flatten().tolist() == [1]
     assert met.counter_value("aten::nonzero") == 1 and met.counter_value("xla::nonzero") is None
     assert met.counter_value("xla::mul") == 1
+
+
+def test_float8_tensors_move_and_multiply():
+    for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        t, w = torch.rand(3, 2).to(dtype), torch.rand(2, 5).to(dtype)
+        xt = t.to("xla")
+        assert xt.dtype == dtype and torch.equal(xt.cpu().view(torch.uint8), t.view(torch.uint8))
+        out = torch.matmul(xt, w.to("xla")).cpu()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), torch.matmul(t, w).float())

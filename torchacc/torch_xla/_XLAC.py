@@ -191,7 +191,8 @@ def _op_text(rule_name):
 
 
 def _get_xla_tensors_hlo(tensors):
-    """The program (StableHLO text) torchacc would compile for the pending ``tensors``."""
+    """The program torchacc would compile for the pending ``tensors``, as HLO text (the form
+    torch_xla prints: ``f32[2,3]{1,0} multiply(...)``)."""
     import jax
     import numpy as np
 
@@ -204,7 +205,7 @@ def _get_xla_tensors_hlo(tensors):
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
     args += graph.args()
-    return jax.jit(program_of(graph)).lower(*args).as_text()
+    return jax.jit(program_of(graph)).lower(*args).as_text(dialect="hlo")
 
 
 # --- RNG and precision -------------------------------------------------------------------------
