@@ -61,6 +61,7 @@ NEEDS_TORCHVISION = "needs torchvision, which does not import here"
 ERROR_TEXTS = {
     "test_ops_error_message.py": "asserts torch_xla's C++ error message texts",
     "test_ops_error_message_functionalization_disabled.py": "asserts torch_xla's error texts",
+    "test_xla_graph_execution.py": "asserts torch_xla's message for a disallowed execution",
 }
 
 _RAN = re.compile(r"^Ran (\d+) tests? in", re.M)

@@ -36,8 +36,8 @@ def _check_allowed():
     if not allow_execution[0]:
         raise RuntimeError(
             "torchacc: a program was about to run while execution is disallowed "
-            "(torch_xla._XLAC._set_allow_execution(False)): Unexpected execution happens inside "
-            "the compiled function, exiting"
+            "(torch_xla._XLAC._set_allow_execution(False)); something read or synced a pending "
+            "tensor inside a region that must not run the device"
         )
 
 

@@ -1,7 +1,7 @@
 """``torch_xla.core.xla_env_vars`` (``xenv``): the names of the environment variables torch_xla
-reads, as constants. torchacc reads only a few of them (``PJRT_DEVICE``, ``RANK``,
-``WORLD_SIZE``, ``LOCAL_RANK``, ``LOCAL_WORLD_SIZE``, ...: the README's torch_xla section); the rest
-are here so that scripts and tests that name them import unchanged.
+reads, as constants, so that scripts and tests that name them import unchanged. torchacc reads
+torchrun's ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; it picks its
+platform from ``TORCHACC_DEVICE``, not ``PJRT_DEVICE`` (README, "Environment").
 """
 
 # runtime and device selection
