@@ -19,10 +19,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
+import host_cost  # noqa: E402
 import torch  # noqa: E402
 from torch.overrides import TorchFunctionMode  # noqa: E402
 
-import host_cost  # noqa: E402
 from torchacc.torch_xla import _xla_device  # noqa: E402
 
 
