@@ -118,3 +118,37 @@ def test_float8_tensors_move_and_multiply():
         out = torch.matmul(xt, w.to("xla")).cpu()
         assert out.dtype == dtype
         torch.testing.assert_close(out.float(), torch.matmul(t, w).float())
+
+
+def test_xlac_internals_torch_xla_tests_call():
+    from torchacc.torch_xla import _XLAC
+    from torchacc.torch_xla.core import xla_op_registry as xor
+    from torchacc.torch_xla.experimental import callback
+
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    # batch dim 0, contract lhs 2 with rhs 2: result (batch, lhs free, rhs free)
+    out = _XLAC._xla_dot_general(a.to("xla"), b.to("xla"), (([2], [2]), ([0], [0])))
+    torch.testing.assert_close(out.cpu(), torch.einsum("bik,bjk->bij", a, b))
+    with pytest.raises(ValueError, match=r"lhs dim 2 \(4\) != rhs dim 1 \(5\)"):
+        _XLAC._xla_dot_general(a.to("xla"), b.to("xla"), (([2], [1]), ()))
+    _XLAC._xla_increment_counter("MyCounter", 3)
+    _XLAC._xla_increment_counter("MyCounter", 2)
+    assert met.counter_value("MyCounter") == 5
+    pending = out * 2
+    _XLAC._set_allow_execution(False)
+    try:
+        with pytest.raises(RuntimeError, match="execution is disallowed"):
+            pending.cpu()
+    finally:
+        _XLAC._set_allow_execution(True)
+    torch.testing.assert_close(pending.cpu(), 2 * torch.einsum("bik,bjk->bij", a, b))
+    assert "XLA Shape: f32[2,3,5]" in _XLAC._get_xla_tensor_debug_info(pending)
+    assert _XLAC._unsafe_buffer_pointer(pending) > 0
+    ready = callback.on_ready_event(pending * 3)  # pending: fires after the next sync
+    assert not ready.wait(0.2)
+    torchacc.sync()
+    assert ready.wait(30)
+    op = xor.register("my_op", lambda a: a)
+    with pytest.raises(NotImplementedError, match="xor.register\\('my_op'\\).*XlaBuilder"):
+        op(pending)
