@@ -8,8 +8,9 @@ The checkout is a pytorch/xla source tree fetched by the developer (not part of 
 CI); the number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
 top-level ``test/test_*.py`` (torch_xla's ``test_mp_*`` scripts included) runs in a fresh process
 through the alias (``python -m torchacc.run_torch_xla FILE``), one at a time, with torch_xla's own
-one-device CPU environment (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=1``, as its ``run_tests.sh`` does)
-and a per-file time limit.
+one-device CPU environment (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=1``, ``TORCH_TEST_DEVICES`` =
+its ``pytorch_test_base.py``, ``PYTORCH_TEST_WITH_SLOW=1``, as its ``run_tests.sh`` sets them) and
+a per-file time limit.
 
 A file's result:
   pass     it exited 0 and ran at least one test that was not skipped (a script without unittest
@@ -99,6 +100,9 @@ def first_error(output):
 def run_file(test_dir, name, timeout, python):
     env = dict(os.environ)
     env.update(
+        # run_tests.sh's environment: torch's device-type tests get torch_xla's test base
+        TORCH_TEST_DEVICES=os.path.join(test_dir, "pytorch_test_base.py"),
+        PYTORCH_TEST_WITH_SLOW="1",
         PJRT_DEVICE="CPU",
         CPU_NUM_DEVICES="1",
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
