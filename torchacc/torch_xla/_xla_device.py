@@ -35,7 +35,8 @@ from torchacc.lowering import RULES
 # What cannot be mapped: a tensor's ``.device`` stays ``torchacc:0``, so ``t.device.type ==
 # "xla"`` and ``t.device == torch.device("xla")`` are False; torch_xla's own helpers
 # (``xm.xla_device()``, ``torch_xla.device()``) return the torchacc device, so comparisons with
-# what they return hold.
+# what they return hold. ``torch.autocast("xla")`` turns on torch's AutocastXLA key, which
+# torchacc tensors do not carry; ``torch_xla.amp.autocast("xla")`` is torchacc's autocast.
 
 _XLA = "xla"
 
