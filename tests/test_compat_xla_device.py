@@ -152,3 +152,15 @@ def test_xlac_internals_torch_xla_tests_call():
     op = xor.register("my_op", lambda a: a)
     with pytest.raises(NotImplementedError, match="xor.register\\('my_op'\\).*XlaBuilder"):
         op(pending)
+
+
+def test_uninstall_restores_torch_and_install_again_maps():
+    original_to = torch.Tensor.to
+    _xla_device.uninstall()
+    try:
+        assert torch.Tensor.to is original_to.__torchacc_original__
+        with pytest.raises(RuntimeError, match="xla"):
+            torch.ones(1).to("xla")  # torch's own error without the mapping
+    finally:
+        _xla_device.install()
+    assert torch.ones(1).to("xla").device == torchacc.device()

@@ -83,7 +83,8 @@ _lib = torch.library.Library("aten", "IMPL")
 _fallback_lib = torch.library.Library("_", "IMPL")
 
 
-def _redirect(op, args, kwargs):
+def _redirect(op, *args, **kwargs):
+    """The kernel of ``op`` for the XLA key: ``op`` again, on the torchacc device."""
     if "device" not in kwargs:
         raise RuntimeError(
             f"torchacc: {op} reached the 'xla' device without a device argument; torchacc maps "
@@ -93,19 +94,17 @@ def _redirect(op, args, kwargs):
     return op(*args, **kwargs)
 
 
-def _xla_fallback(op, *args, **kwargs):
-    return _redirect(op, args, kwargs)
+_kernels = [False]
 
 
 def _register_kernels():
+    if _kernels[0]:
+        return
     for op in RULES:
         if factories._is_factory(op):
-            _lib.impl(op, functools.partial(_redirect_kernel, op), "XLA")
-    _fallback_lib.fallback(_xla_fallback, "XLA")
-
-
-def _redirect_kernel(op, *args, **kwargs):
-    return _redirect(op, args, kwargs)
+            _lib.impl(op, functools.partial(_redirect, op), "XLA")
+    _fallback_lib.fallback(_redirect, "XLA")
+    _kernels[0] = True
 
 
 # --- Python entry points that torch's device guard stops ---------------------------------------
