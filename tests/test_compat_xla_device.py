@@ -99,6 +99,9 @@ def test_xla_op_counters_count_recorded_ops_and_clear():
     assert met.counter_value("xla::sum") == 1
     assert {"xla::mm", "xla::add", "xla::sum"} <= set(met.counter_names())
     assert "Counter: xla::mm\n  Value: 2" in met.metrics_report()
+    torchacc.metrics.counter_inc("xla::mm", 3)  # torch_xla's _xla_increment_counter adds to it
+    assert met.counter_value("xla::mm") == 5
+    assert "Counter: xla::mm\n  Value: 5" in met.metrics_report()
     torchacc.sync()
     assert d.item() == 16 * (16 + 1 + 4)  # b = 4, c = 17 everywhere
     # a fallback (data-dependent shape) runs on CPU: counted as aten::<op>, not recorded

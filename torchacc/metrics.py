@@ -42,7 +42,9 @@ def add_counter_source(prefix, values, clear):
 def _all_counters():
     out = dict(_counters)
     for values, _clear in _sources.values():
-        out.update((k, v) for k, v in values().items() if v)
+        for k, v in values().items():
+            if v:
+                out[k] = out.get(k, 0) + v
     return out
 
 
@@ -54,7 +56,7 @@ def counter_value(name):
     """Value of a counter, or None if it never fired (torch_xla's convention)."""
     for prefix, (values, _clear) in _sources.items():
         if name.startswith(prefix):
-            return values().get(name) or None
+            return (values().get(name, 0) + _counters.get(name, 0)) or None
     return _counters.get(name)
 
 
