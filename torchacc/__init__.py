@@ -19,6 +19,7 @@ from torchacc.runtime.device import jax_device, platform
 from torchacc.engine.execute import sync, wait_device_ops
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy import factories as _factories  # noqa: F401  (device= factories route here)
+from torchacc.lazy import op_counters as _op_counters  # noqa: F401  (xla::<op> counters)
 from torchacc.lazy import autograd_kernels as _autograd_kernels  # noqa: F401  (above autograd)
 from torchacc.lazy import layer_kernels as _layer_kernels  # noqa: F401  (above autograd)
 from torchacc.lazy import op_sites as _op_sites

@@ -4,7 +4,9 @@ Counters: ``MarkStep``, ``UncachedCompile`` (an XLA compile really ran), ``Cache
 in-memory cache had the step), ``PersistentCacheHit`` (the on-disk cache spared a compile),
 ``TransferToDevice`` / ``TransferFromDevice`` (host<->device copies) and ``aten::<op>`` (an op ran
 eagerly on CPU because it has no lowering: a fallback), ``ReadSync`` (a read of a pending tensor --
-``.item()``, ``print``, ``.cpu()``, ``bool()`` -- ran the graph it needs: a sync of its own).
+``.item()``, ``print``, ``.cpu()``, ``bool()`` -- ran the graph it needs: a sync of its own),
+``xla::<op>`` (nodes recorded for ``<op>``, torch_xla's per-op IR counters: counted on the recorded
+op's cached entry and read through a counter source, torchacc/lazy/op_counters.py).
 Timings (seconds): ``TraceTime`` (host time spent recording a step: from the end of the previous
 sync to the start of this one), ``CompileTime``, ``ExecuteTime`` (launching the program; execution
 itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, ``SyncTime``.
@@ -27,17 +29,41 @@ _compiles: list = []  # one line per compile, why it happened (the first MAX_EXP
 MAX_EXPLAINED = 200
 
 
+# counters kept elsewhere and read on demand: prefix -> (fn() -> {name: value}, clear fn)
+_sources: dict = {}
+
+
+def add_counter_source(prefix, values, clear):
+    """Report the counters ``values()`` returns (names starting with ``prefix``) as counters;
+    ``clear()`` resets them with the rest."""
+    _sources[prefix] = (values, clear)
+
+
+def _all_counters():
+    out = dict(_counters)
+    for values, _clear in _sources.values():
+        for k, v in values().items():
+            if v:
+                out[k] = out.get(k, 0) + v
+    return out
+
+
 def counter_inc(name, n=1):
     _counters[name] += n
 
 
 def counter_value(name):
     """Value of a counter, or None if it never fired (torch_xla's convention)."""
+    for prefix, (values, _clear) in _sources.items():
+        if name.startswith(prefix):
+            return (values().get(name, 0) + _counters.get(name, 0)) or None
     return _counters.get(name)
 
 
 def counter_names():
-    return sorted(_counters)
+    if not _sources:
+        return sorted(_counters)
+    return sorted(_all_counters())
 
 
 def record_time(name, seconds):
@@ -88,6 +114,8 @@ def clear_metrics():
 
 def clear_counters():
     _counters.clear()
+    for _values, clear in _sources.values():
+        clear()
     _sync_sites.clear()
     _compiles.clear()
 
@@ -114,9 +142,10 @@ def metrics_report():
             f"  Percentiles: 50%={_fmt_seconds(samples[len(samples) // 2])}; "
             f"max={_fmt_seconds(samples[-1])}"
         )
-    for name in counter_names():
+    counters = _all_counters()
+    for name in sorted(counters):
         lines.append(f"Counter: {name}")
-        lines.append(f"  Value: {_counters[name]}")
+        lines.append(f"  Value: {counters[name]}")
     return "\n".join(lines) + "\n"
 
 

@@ -28,6 +28,18 @@ _last_sync_end = [None]
 
 
 _after_sync: list = []
+# torch_xla's ``_XLAC._set_allow_execution``: False makes every program launch an error (a
+# compiled region that must not run the device, e.g. while tracing); read once per launch
+allow_execution = [True]
+
+
+def _check_allowed():
+    if not allow_execution[0]:
+        raise RuntimeError(
+            "torchacc: a program was about to run while execution is disallowed "
+            "(torch_xla._XLAC._set_allow_execution(False)); something read or synced a pending "
+            "tensor inside a region that must not run the device"
+        )
 
 
 def after_sync(fn):
@@ -82,6 +94,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
     ``mark_step``), the step is remembered as a known step (Note [Known steps]), and small
     results come back packed (Note [Packed state]): ``starts`` (``_live_outputs``) lets the
     step's loose inputs move into packs laid out like its results first."""
+    _check_allowed()
     if not learn:
         known.spoil("part of the step ran before mark_step")
     if donate and held is None:
@@ -131,6 +144,7 @@ def _launch(exe, args, outputs, plan, n_ops):
 
 def _run_known(launch, outputs):
     """Launch a known step's program (Note [Known steps]): no graph walk, no key."""
+    _check_allowed()
     compiler.count_memory_hit()
     metrics.counter_inc("KnownStep")
     args = _args(launch.floats, launch.ints, launch.args())

@@ -21,9 +21,19 @@ def put(host_array):
     return jax.device_put(host_array, jax_device())
 
 
+# dtypes numpy lacks: moved as raw bits of the same width, viewed as ml_dtypes' type
+_BITS = {
+    torch.bfloat16: (torch.int16, np.int16, ml_dtypes.bfloat16),
+    torch.float8_e5m2: (torch.uint8, np.uint8, ml_dtypes.float8_e5m2),
+    torch.float8_e4m3fn: (torch.uint8, np.uint8, ml_dtypes.float8_e4m3fn),
+}
+_FROM_ML = {np.dtype(ml): (np_bits, t) for t, (_tb, np_bits, ml) in _BITS.items()}
+
+
 def _numpy_of(t):
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    bits = _BITS.get(t.dtype)
+    if bits is not None:
+        return t.view(bits[0]).numpy().view(bits[2])
     if t.dtype == torch.uint32:
         return t.view(torch.int32).numpy().view(np.uint32)
     return t.numpy()
@@ -46,7 +56,8 @@ def read(array, dtype):
     host = mesh.gather(array) if mesh.is_spmd() else np.array(array)
     metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferFromDevice")
-    if host.dtype == ml_dtypes.bfloat16:
-        return torch.from_numpy(host.view(np.int16)).view(torch.bfloat16)
+    bits = _FROM_ML.get(host.dtype)
+    if bits is not None:
+        return torch.from_numpy(host.view(bits[0])).view(bits[1])
     out = torch.from_numpy(host)
     return out if out.dtype == dtype else out.to(dtype)

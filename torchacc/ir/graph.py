@@ -72,10 +72,11 @@ class OpEntry:
     with equal keys lower to the same JAX code. ``args``/``kwargs`` are templates in which
     ``TensorSlot(i)`` stands for the node's ``inputs[i]`` and ``ScalarSlot(i)`` for its
     ``scalars[i]``. ``descs`` are the output descs (None for an output the op leaves out; a random
-    op has one more, its next RNG key) and ``kind`` how the op returns them.
+    op has one more, its next RNG key) and ``kind`` how the op returns them. ``calls`` counts the
+    nodes recorded with it (torch_xla's ``xla::<op>`` counters, torchacc/lazy/op_counters.py).
     """
 
-    __slots__ = ("rule", "key", "args", "kwargs", "descs", "kind")
+    __slots__ = ("rule", "key", "args", "kwargs", "descs", "kind", "calls")
 
     def __init__(self, rule, key, args, kwargs, descs, kind):
         self.rule = rule
@@ -84,6 +85,7 @@ class OpEntry:
         self.kwargs = kwargs
         self.descs = descs
         self.kind = kind
+        self.calls = 0
 
 
 class Node:
@@ -105,6 +107,7 @@ class Node:
         self.seq = _next_seq()
         self.mark = 0
         self.spos = -1
+        op.calls += 1
         if observe is not None:
             observe(self)
 

@@ -20,6 +20,8 @@ TORCH_TO_JAX = {
     torch.bool: jnp.bool_,
     torch.complex64: jnp.complex64,
     torch.complex128: jnp.complex128,
+    torch.float8_e5m2: jnp.float8_e5m2,
+    torch.float8_e4m3fn: jnp.float8_e4m3fn,
 }
 JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
 

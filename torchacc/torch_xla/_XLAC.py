@@ -4,9 +4,14 @@ Implemented: syncing (``_xla_sync_multi``, ``_xla_sync_live_tensors``, ``_xla_st
 ``_xla_wait_device_ops``), devices (``_xla_get_default_device``, ``_xla_get_all_devices``,
 ``_xla_real_devices``, ``_xla_device_kind``, ``_xla_memory_info``, ``_xla_tensors_from_aten``),
 tensor ids and the pending graph as text or HLO (``_xla_get_tensor_id``,
-``_get_xla_tensors_text``, ``_get_xla_tensors_hlo``), RNG seed, mat-mul precision, and the metric
-and counter calls behind ``torch_xla.debug.metrics``. Any other name raises an error that is both
-``NotImplementedError`` (with the reason) and ``AttributeError`` (so ``hasattr`` stays False).
+``_get_xla_tensors_text``, ``_get_xla_tensors_hlo``), RNG seed, mat-mul precision, the metric
+and counter calls behind ``torch_xla.debug.metrics`` (``_xla_increment_counter`` too), and the
+internals torch_xla's own tests call: ``_xla_dot_general`` (recorded like any op),
+``_set_allow_execution``, ``_init_computation_client``, ``_get_git_revs``, tensor reports and debug
+info, ``_unsafe_buffer_pointer``, and the flags torchacc keeps without acting on
+(``_xla_set_enable_alias_with_buffer_donor_config``: torchacc always donates what no live tensor
+holds; ``_set_ir_debug``). Any other name raises an error that is both ``NotImplementedError``
+(with the reason) and ``AttributeError`` (so ``hasattr`` stays False).
 """
 
 from __future__ import annotations
@@ -16,7 +21,7 @@ import itertools
 import torch
 
 import torchacc
-from torchacc.torch_xla._api import differs, not_implemented_class
+from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
 
 class XLACNotImplementedError(NotImplementedError, AttributeError):
@@ -119,7 +124,9 @@ def _values(tensors):
 
 
 def _get_xla_tensors_text(tensors):
-    """The pending graph computing ``tensors``, one recorded op per line."""
+    """The pending graph computing ``tensors`` in torch_xla's IR text form: one line per data
+    input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
+    aten::add.Tensor(%0, %1)``), then the roots."""
     from torchacc import program as compiler
 
     values = _values(tensors)
@@ -130,31 +137,62 @@ def _get_xla_tensors_text(tensors):
         graph = compiler.Graph(pending)
         for i, v in enumerate(graph.inputs):
             names[id(v)] = f"%{i}"
-            lines.append(f"  %{i} = data {_desc_text(v.desc)}")
+            lines.append(f"  %{i} = {_desc_text(v.desc)} xla::device_data()")
         n = len(graph.inputs)
         for node in graph.order:
-            args = ", ".join(
-                names[id(v)] if v.node is None else f"{names[id(v.node)]}.{v.index}"
-                for v in node.inputs
-            )
+            args = ", ".join(_ref(v, names) for v in node.inputs)
             names[id(node)] = f"%{n}"
-            outs = ", ".join(_desc_text(d) for d in node.op.descs if d is not None)
-            lines.append(f"  %{n} = {node.op.rule.name}({args}) -> ({outs})")
+            outs = [_desc_text(d) for d in node.op.descs if d is not None]
+            outs = outs[0] if len(outs) == 1 else f"({', '.join(outs)})"
+            lines.append(f"  %{n} = {outs} {_op_text(node.op.rule.name)}({args})")
             n += 1
     for i, v in enumerate(values):
-        where = "data" if v.node is None else f"{names[id(v.node)]}.{v.index}"
+        where = "xla::device_data()" if v.node is None else _ref(v, names)
         lines.append(f"  ROOT {i} = {where}")
     lines.append("}")
     return "\n".join(lines) + "\n"
 
 
+def _ref(value, names):
+    """``%n`` for a data input or a one-output node's value, ``%n.i`` for output i of several."""
+    if value.node is None:
+        return names[id(value)]
+    several = sum(d is not None for d in value.node.op.descs) > 1
+    return f"{names[id(value.node)]}.{value.index}" if several else names[id(value.node)]
+
+
+_SHORT_DTYPES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "s64",
+    torch.int32: "s32",
+    torch.int16: "s16",
+    torch.int8: "s8",
+    torch.uint8: "u8",
+    torch.uint32: "u32",
+    torch.bool: "pred",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
+
+
 def _desc_text(desc):
     shape, dtype = desc[0], desc[2]
-    return f"{str(dtype).replace('torch.', '')}[{','.join(map(str, shape))}]"
+    name = _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+    return f"{name}[{','.join(map(str, shape))}]"
+
+
+def _op_text(rule_name):
+    """``aten.add.Tensor`` -> ``aten::add.Tensor`` (torch_xla's IR names ops ``aten::add``)."""
+    namespace, _, rest = rule_name.partition(".")
+    return f"{namespace}::{rest}" if rest else rule_name
 
 
 def _get_xla_tensors_hlo(tensors):
-    """The program (StableHLO text) torchacc would compile for the pending ``tensors``."""
+    """The program torchacc would compile for the pending ``tensors``, as HLO text (the form
+    torch_xla prints: ``f32[2,3]{1,0} multiply(...)``)."""
     import jax
     import numpy as np
 
@@ -167,7 +205,7 @@ def _get_xla_tensors_hlo(tensors):
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
     args += graph.args()
-    return jax.jit(program_of(graph)).lower(*args).as_text()
+    return jax.jit(program_of(graph)).lower(*args).as_text(dialect="hlo")
 
 
 # --- RNG and precision -------------------------------------------------------------------------
@@ -246,7 +284,140 @@ def _get_executed_fallback_ops():
     return _met().executed_fallback_ops()
 
 
-_NO_SPMD = "XLA sharding objects: torchacc has no SPMD partitioner (one device per process)"
+def _xla_increment_counter(name, value):
+    from torchacc import metrics
+
+    metrics.counter_inc(name, value)
+
+
+# --- internals torch_xla's tests call ----------------------------------------------------------
+
+
+def _xla_dot_general(lhs, rhs, dimension_numbers, preferred_element_type=None):
+    """XLA's DotGeneral on torchacc tensors, recorded as ordinary ops (permute, reshape, bmm).
+
+    ``dimension_numbers`` is ``((lhs_contract, rhs_contract), (lhs_batch, rhs_batch))`` (the
+    batch pair may be empty); the result's dimensions are batch, lhs free, rhs free."""
+    contract = dimension_numbers[0]
+    batch = dimension_numbers[1] if len(dimension_numbers) > 1 and dimension_numbers[1] else ()
+    lc, rc = [list(d) for d in contract]
+    lb, rb = ([list(d) for d in batch]) if batch else ([], [])
+    if len(lc) != len(rc) or len(lb) != len(rb):
+        raise ValueError(f"_xla_dot_general: unpaired dimension numbers {dimension_numbers}")
+    if preferred_element_type is not None:
+        lhs, rhs = lhs.to(preferred_element_type), rhs.to(preferred_element_type)
+    lf = [d for d in range(lhs.dim()) if d not in lc and d not in lb]
+    rf = [d for d in range(rhs.dim()) if d not in rc and d not in rb]
+    for a, b in zip(lc + lb, rc + rb):
+        if lhs.shape[a] != rhs.shape[b]:
+            raise ValueError(
+                f"_xla_dot_general: lhs dim {a} ({lhs.shape[a]}) != rhs dim {b} ({rhs.shape[b]}) "
+                f"for shapes {tuple(lhs.shape)} and {tuple(rhs.shape)}"
+            )
+
+    def size(t, dims):
+        n = 1
+        for d in dims:
+            n *= t.shape[d]
+        return n
+
+    batch_shape = [lhs.shape[d] for d in lb]
+    left = lhs.permute(*lb, *lf, *lc).reshape(size(lhs, lb), size(lhs, lf), size(lhs, lc))
+    right = rhs.permute(*rb, *rc, *rf).reshape(size(rhs, rb), size(rhs, rc), size(rhs, rf))
+    out = torch.bmm(left, right)
+    return out.reshape(*batch_shape, *[lhs.shape[d] for d in lf], *[rhs.shape[d] for d in rf])
+
+
+def _set_allow_execution(allow):
+    """``False``: launching any program raises (torch_xla's guard for compiled regions)."""
+    from torchacc.engine import execute
+
+    execute.allow_execution[0] = bool(allow)
+
+
+def _init_computation_client():
+    torchacc.jax_device()  # starts JAX's backend; raises if the platform cannot start
+
+
+def _get_git_revs():
+    from torchacc.torch_xla import __version__
+
+    return {"torch": torch.version.git_version, "torch_xla": __version__}
+
+
+_flags = {"alias_with_buffer_donor": False, "ir_debug": False}
+
+
+@differs("kept, changes nothing: torchacc donates every input buffer no live tensor holds")
+def _xla_set_enable_alias_with_buffer_donor_config(enable):
+    _flags["alias_with_buffer_donor"] = bool(enable)
+
+
+def _xla_get_enable_alias_with_buffer_donor_config():
+    return _flags["alias_with_buffer_donor"]
+
+
+@differs("kept, changes nothing: torchacc's op sites are TORCHACC_DEBUG=1")
+def _set_ir_debug(enable):
+    _flags["ir_debug"] = bool(enable)
+
+
+def _get_ir_debug():
+    return _flags["ir_debug"]
+
+
+def _xla_tensors_report(nodes_threshold=0, device=""):
+    """Live torchacc tensors and how many hold pending (unsynced) values."""
+    from torchacc.ir import live_storages
+
+    storages = list(live_storages())
+    pending = sum(st.value.node is not None for st in storages)
+    return (
+        f"TensorsReport (torchacc)\n  live storages: {len(storages)}\n"
+        f"  with pending values: {pending}\n"
+    )
+
+
+def _get_xla_tensor_debug_info(tensor):
+    (value,) = _values([tensor])
+    return (
+        f"XLATensor {{\nTensorID: {_xla_get_tensor_id(tensor)}\nDevice: {tensor.device}\n"
+        f"XLA Shape: {_desc_text(value.desc)}\n"
+        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}\n}}\n"
+    )
+
+
+def _get_xla_tensor_dimension_size(tensor, dim):
+    return torch.tensor(tensor.shape[dim], dtype=torch.int32, device=tensor.device)
+
+
+def _unsafe_buffer_pointer(tensor):
+    """The device address of ``tensor``'s buffer (computed first if pending)."""
+    from torchacc.lazy.record import value_of
+
+    _values([tensor])
+    if value_of(tensor).node is not None:
+        torchacc.sync(wait=True)
+    value = value_of(tensor)
+    if value.buf is None or type(value.buf) is tuple:
+        raise RuntimeError(
+            "_unsafe_buffer_pointer: the tensor has no buffer of its own (donated, or a piece of "
+            "a packed buffer, Note [Packed state])"
+        )
+    return value.buf.unsafe_buffer_pointer()
+
+
+_DONATION = (
+    "marking a live tensor's buffer for donation is not implemented: torchacc donates every input "
+    "buffer that no live tensor holds, at each sync"
+)
+_set_buffer_donation = not_implemented("torch_xla._XLAC._set_buffer_donation", _DONATION)
+_get_buffer_donation = not_implemented("torch_xla._XLAC._get_buffer_donation", _DONATION)
+
+_NO_SPMD = (
+    "torch_xla's C++ sharding objects: torchacc shards through JAX NamedShardings "
+    "(xs.Mesh.named_sharding, xs.mark_sharding; _get_xla_sharding_spec prints the text form)"
+)
 OpSharding = not_implemented_class("torch_xla._XLAC.OpSharding", _NO_SPMD)
 XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_SPMD)
 

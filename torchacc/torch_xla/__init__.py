@@ -90,7 +90,9 @@ def launch(fn, args=(), start_method="spawn", debug_single_process=False):
 
 
 # torch_xla._XLAC and torch_xla.runtime are attributes right after `import torch_xla`
-from torchacc.torch_xla import _XLAC, runtime  # noqa: E402, F401
+from torchacc.torch_xla import _XLAC, _xla_device, runtime  # noqa: E402, F401
+
+_xla_device.install()  # device="xla" means the torchacc device (Note [The xla device string])
 
 __all__ = [
     "compile",

@@ -8,7 +8,8 @@ Counters and timings come from :mod:`torchacc.metrics` (whose names already foll
 ``LazyTracing`` (host time tracing a step = ``TraceTime``), ``TensorToData`` (uploads =
 ``TransferToDeviceTime``). As in torch_xla, :func:`metric_data` gives
 ``(total_samples, accumulator, [(time, value), ...])`` with times in nanoseconds, and a counter or
-metric that never fired is ``None``. Per-op IR counters (``xla::add``) are not kept.
+metric that never fired is ``None``. Per-op IR counters (``xla::add``, ``xla::mm``) count the
+nodes recorded per ATen op (torchacc/lazy/op_counters.py).
 """
 
 from __future__ import annotations

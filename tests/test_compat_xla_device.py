@@ -1,0 +1,169 @@
+"""torch_xla scripts' ``device="xla"`` strings and ``xla::<op>`` counters (issue 33).
+
+Note [The xla device string] (torchacc/torch_xla/_xla_device.py); the counters are
+torchacc/lazy/op_counters.py's.
+"""
+
+import pytest
+import torch
+
+import torchacc
+import torchacc.torch_xla  # noqa: F401  (installs the xla device mapping)
+import torchacc.torch_xla.debug.metrics as met
+from torchacc.torch_xla import _xla_device
+
+
+def test_xla_strings_reach_the_torchacc_device_with_eager_numerics():
+    dev = torchacc.device()
+    torch.manual_seed(0)
+    host = torch.randn(3, 4)
+    model = torch.nn.Linear(4, 2)
+    eager_out = model(host) * 2 + torch.arange(2.0)
+    made = {
+        "tensor": torch.tensor([[1.0, 2.0]], device="xla"),
+        "as_tensor": torch.as_tensor([3, 4], device="xla:0"),
+        "asarray": torch.asarray([5.0], device=torch.device("xla")),
+        "to": host.to("xla"),
+        "to_kw": host.to(device="xla:0", dtype=torch.float16),
+        "new_tensor": host.new_tensor([6.0], device="xla"),
+        "zeros": torch.zeros(2, 3, device="xla"),
+        "full": torch.full((2,), 7.0, device="xla:0"),
+        "arange": torch.arange(5, device="xla"),
+        "eye": torch.eye(3, device=torch.device("xla", 0)),
+        "zeros_like": torch.zeros_like(host, device="xla"),
+        "rand": torch.rand(4, device="xla"),
+    }
+    for name, t in made.items():
+        assert t.device == dev, name
+    model = model.to("xla")  # Module.to goes through Tensor.to
+    assert model.weight.device == dev
+    out = model(made["to"]) * 2 + torch.arange(2.0, device="xla")
+    torchacc.sync()
+    torch.testing.assert_close(out.cpu(), eager_out)
+    torch.testing.assert_close(made["to_kw"].cpu(), host.half())
+    assert made["tensor"].cpu().tolist() == [[1.0, 2.0]]
+    assert made["as_tensor"].cpu().tolist() == [3, 4] and made["as_tensor"].dtype == torch.int64
+    assert made["asarray"].cpu().tolist() == [5.0]
+    assert made["new_tensor"].cpu().tolist() == [6.0]
+    assert made["full"].cpu().tolist() == [7.0, 7.0]
+    assert made["arange"].cpu().tolist() == [0, 1, 2, 3, 4]
+    torch.testing.assert_close(made["eye"].cpu(), torch.eye(3))
+    assert made["zeros"].cpu().abs().sum().item() == 0
+    rand = made["rand"].cpu()
+    assert ((rand >= 0) & (rand < 1)).all() and rand.unique().numel() == 4
+    # other devices are untouched
+    assert host.to("cpu") is host and torch.tensor([1.0]).device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.zeros(2, device="xla:3"),
+        lambda: torch.tensor([1.0], device="xla:3"),
+        lambda: torch.randn(2).to("xla:3"),
+        lambda: torch.randn(2).to(torch.device("xla", 3)),
+    ],
+    ids=["factory", "tensor", "to", "to_device"],
+)
+def test_another_device_index_is_one_clear_error(make):
+    with pytest.raises(ValueError) as info:
+        make()
+    msg = str(info.value)
+    assert "'xla:3'" in msg and "no such device" in msg and "'xla:0'" in msg, msg
+
+
+def test_resolve_names_the_string_and_what_exists():
+    dev = torchacc.device()
+    for spec in ("xla", "xla:0", torch.device("xla"), 0, None, "torchacc:0", dev):
+        assert _xla_device.resolve(spec) == dev
+    for spec, what in (("cuda:0", "not an XLA device"), ("tpu", "not a device"), (2, "no such")):
+        with pytest.raises(ValueError) as info:
+            _xla_device.resolve(spec)
+        assert f"device {spec!r}:" in str(info.value)
+        assert what in str(info.value) and "'xla:0'" in str(info.value)
+    with pytest.raises(TypeError, match="expected a str"):
+        _xla_device.resolve(1.5)
+
+
+def test_xla_op_counters_count_recorded_ops_and_clear():
+    dev = torchacc.device()
+    a = torch.ones(4, 4, device=dev)
+    torchacc.sync()
+    met.clear_counters()
+    assert met.counter_value("xla::mm") is None and "xla::mm" not in met.counter_names()
+    b = a @ a
+    c = b @ a + 1
+    d = (c + b).sum()
+    assert met.counter_value("xla::mm") == 2
+    assert met.counter_value("xla::add") == 2
+    assert met.counter_value("xla::sum") == 1
+    assert {"xla::mm", "xla::add", "xla::sum"} <= set(met.counter_names())
+    assert "Counter: xla::mm\n  Value: 2" in met.metrics_report()
+    torchacc.metrics.counter_inc("xla::mm", 3)  # torch_xla's _xla_increment_counter adds to it
+    assert met.counter_value("xla::mm") == 5
+    assert "Counter: xla::mm\n  Value: 5" in met.metrics_report()
+    torchacc.sync()
+    assert d.item() == 16 * (16 + 1 + 4)  # b = 4, c = 17 everywhere
+    # a fallback (data-dependent shape) runs on CPU: counted as aten::<op>, not recorded
+    met.clear_counters()
+    assert met.counter_value("xla::mm") is None
+    idx = torch.nonzero(torch.tensor([0.0, 3.0], device=dev) * 2)
+    assert idx.cpu().flatten().tolist() == [1]
+    assert met.counter_value("aten::nonzero") == 1 and met.counter_value("xla::nonzero") is None
+    assert met.counter_value("xla::mul") == 1
+
+
+def test_float8_tensors_move_and_multiply():
+    for dtype in (torch.float8_e5m2, torch.float8_e4m3fn):
+        t, w = torch.rand(3, 2).to(dtype), torch.rand(2, 5).to(dtype)
+        xt = t.to("xla")
+        assert xt.dtype == dtype and torch.equal(xt.cpu().view(torch.uint8), t.view(torch.uint8))
+        out = torch.matmul(xt, w.to("xla")).cpu()
+        assert out.dtype == dtype
+        torch.testing.assert_close(out.float(), torch.matmul(t, w).float())
+
+
+def test_xlac_internals_torch_xla_tests_call():
+    from torchacc.torch_xla import _XLAC
+    from torchacc.torch_xla.core import xla_op_registry as xor
+    from torchacc.torch_xla.experimental import callback
+
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 3, 4), torch.randn(2, 5, 4)
+    # batch dim 0, contract lhs 2 with rhs 2: result (batch, lhs free, rhs free)
+    out = _XLAC._xla_dot_general(a.to("xla"), b.to("xla"), (([2], [2]), ([0], [0])))
+    torch.testing.assert_close(out.cpu(), torch.einsum("bik,bjk->bij", a, b))
+    with pytest.raises(ValueError, match=r"lhs dim 2 \(4\) != rhs dim 1 \(5\)"):
+        _XLAC._xla_dot_general(a.to("xla"), b.to("xla"), (([2], [1]), ()))
+    _XLAC._xla_increment_counter("MyCounter", 3)
+    _XLAC._xla_increment_counter("MyCounter", 2)
+    assert met.counter_value("MyCounter") == 5
+    pending = out * 2
+    _XLAC._set_allow_execution(False)
+    try:
+        with pytest.raises(RuntimeError, match="execution is disallowed"):
+            pending.cpu()
+    finally:
+        _XLAC._set_allow_execution(True)
+    torch.testing.assert_close(pending.cpu(), 2 * torch.einsum("bik,bjk->bij", a, b))
+    assert "XLA Shape: f32[2,3,5]" in _XLAC._get_xla_tensor_debug_info(pending)
+    assert _XLAC._unsafe_buffer_pointer(pending) > 0
+    ready = callback.on_ready_event(pending * 3)  # pending: fires after the next sync
+    assert not ready.wait(0.2)
+    torchacc.sync()
+    assert ready.wait(30)
+    op = xor.register("my_op", lambda a: a)
+    with pytest.raises(NotImplementedError, match="xor.register\\('my_op'\\).*XlaBuilder"):
+        op(pending)
+
+
+def test_uninstall_restores_torch_and_install_again_maps():
+    original_to = torch.Tensor.to
+    _xla_device.uninstall()
+    try:
+        assert torch.Tensor.to is original_to.__torchacc_original__
+        with pytest.raises(RuntimeError, match="xla"):
+            torch.ones(1).to("xla")  # torch's own error without the mapping
+    finally:
+        _xla_device.install()
+    assert torch.ones(1).to("xla").device == torchacc.device()
