@@ -39,7 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, spmd
-from torchacc.dynamo.calling import (
+from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
     _eval_python,
     _meta_list,

@@ -22,6 +22,7 @@ _FAMILIES = (
     "nn_extra",
     "fused",
     "fused_attention",
+    "scan",
 )
 
 
