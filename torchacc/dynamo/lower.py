@@ -39,6 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, spmd
+from torchacc.lowering import lookup
 from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
     _eval_python,
@@ -47,7 +48,6 @@ from torchacc.lowering.fx_calling import (
     _val,
     eval_rule,
 )
-from torchacc.lowering import lookup
 
 _SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 _warned_ops: set = set()

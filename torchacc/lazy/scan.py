@@ -40,7 +40,19 @@ def scan(fn, init, xs, partition_fn=None, is_fn_pure=False):
     traced = _traced(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad, is_fn_pure)
     outs = _Scan.apply(traced, *flat_init, *flat_xs)
     carry = tree_unflatten(list(outs[: traced.nc]), traced.carry_spec)
-    return carry, tree_unflatten(list(outs[traced.nc :]), traced.y_spec)
+    return carry, _unflatten(list(outs[traced.nc :]), traced.y_spec)
+
+
+def _flatten(tree):
+    """The tensor leaves of ``tree`` (None leaves left out, as torch_xla does) and how to put
+    them back."""
+    leaves, spec = tree_flatten(tree)
+    return [v for v in leaves if v is not None], (spec, tuple(v is None for v in leaves))
+
+
+def _unflatten(tensors, spec):
+    it = iter(tensors)
+    return tree_unflatten([None if none else next(it) for none in spec[1]], spec[0])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -54,13 +66,16 @@ def _check_inputs(init, xs):
         raise ValueError(f"scan: xs {xs!r} is an empty pytree (nothing to scan over)")
     for path, t in tree_flatten_with_path(init)[0] + leaves:
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"scan: leaf {keystr(path) or '<root>'} is a {type(t).__name__}, "
-                             "not a tensor")
+            raise ValueError(
+                f"scan: leaf {keystr(path) or '<root>'} is a {type(t).__name__}, not a tensor"
+            )
     first_path, first = leaves[0]
     for path, t in leaves:
         if t.dim() == 0:
-            raise ValueError(f"scan: xs leaf {keystr(path) or '<root>'} is 0-d; every leaf of xs "
-                             "needs a leading dimension to scan over")
+            raise ValueError(
+                f"scan: xs leaf {keystr(path) or '<root>'} is 0-d; every leaf of xs "
+                "needs a leading dimension to scan over"
+            )
         if t.shape[0] != first.shape[0]:
             raise ValueError(
                 f"scan: the leaves of xs must have the same leading length: xs"
@@ -104,11 +119,11 @@ def _loop(fn, init, xs, length):
         carry, y = fn(carry, tree_unflatten([t[i] for t in flat_xs], xs_spec))
         flat_new, spec = tree_flatten(carry)
         _check_carry(flat_new, spec, flat_init, init_spec)
-        ys.append(tree_flatten(y))
+        ys.append(_flatten(y))
     if not ys:
         raise ValueError("scan: xs has length 0; the outputs' structure is unknown")
     flat_ys = [torch.stack([y[0][j] for y in ys]) for j in range(len(ys[0][0]))]
-    return carry, tree_unflatten(flat_ys, ys[0][1])
+    return carry, _unflatten(flat_ys, ys[0][1])
 
 
 # -------------------------------------------------------------------------------------------------
@@ -166,16 +181,17 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
     specs = {}
 
     def flat_fn(*args):
-        out = fn(tree_unflatten(list(args[:nc]), init_spec), tree_unflatten(list(args[nc:]), xs_spec))
+        out = fn(
+            tree_unflatten(list(args[:nc]), init_spec), tree_unflatten(list(args[nc:]), xs_spec)
+        )
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise ValueError(f"scan: fn must return (carry, y), got {type(out).__name__}")
         flat_c, c_spec = tree_flatten(out[0])
         _check_carry(flat_c, c_spec, fake_c, init_spec)
-        flat_y, specs["y"] = tree_flatten(out[1])
-        for path, y in tree_flatten_with_path(out[1])[0]:
+        flat_y, specs["y"] = _flatten(out[1])
+        for y in flat_y:
             if not isinstance(y, torch.Tensor):
-                raise ValueError(f"scan: fn's y{keystr(path)} is a {type(y).__name__}, "
-                                 "not a tensor")
+                raise ValueError(f"scan: fn's y holds a {type(y).__name__}, not a tensor")
         # fresh outputs: AOTAutograd keeps outputs that alias inputs or each other out of its
         # graphs (an epilogue we could not scan); XLA removes the copies
         return tuple(v.clone() for v in (*flat_c, *flat_y))
@@ -200,7 +216,9 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
         outs = compiled(*fake_c, *fake_x)
         diff = [i for i, o in enumerate(outs) if o.requires_grad]
         if diff:
-            torch.autograd.backward([outs[i] for i in diff], [torch.ones_like(outs[i]) for i in diff])
+            torch.autograd.backward(
+                [outs[i] for i in diff], [torch.ones_like(outs[i]) for i in diff]
+            )
     ny = len(outs) - nc
     y_meta = [(tuple(o.shape), o.dtype) for o in outs[nc:]]
     c_meta = [(tuple(t.shape), t.dtype) for t in flat_init]
@@ -208,8 +226,9 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
     fw_outs = list(next(n for n in fw_gm.graph.nodes if n.op == "output").args[0])
     places = [n for n in fw_gm.graph.nodes if n.op == "placeholder"]
     if len(places) != nc + nx:
-        raise RuntimeError(f"scan: the forward graph of fn has {len(places)} inputs, "
-                           f"expected {nc + nx}")
+        raise RuntimeError(
+            f"scan: the forward graph of fn has {len(places)} inputs, expected {nc + nx}"
+        )
     acts = fw_outs[nc + ny :]
     # activations that are a step's own slice of xs are read from xs, not stacked again
     alias = {k: places.index(a) - nc for k, a in enumerate(acts) if a in places[nc:]}
@@ -239,8 +258,10 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
             inputs.append(("c", d.index(o)) if o < nc else ("x", len(acts) + ty.index(o - nc)))
         bw_places = [n for n in bw_gm.graph.nodes if n.op == "placeholder"]
         if len(bw_places) != len(inputs):
-            raise RuntimeError(f"scan: the backward graph of fn has {len(bw_places)} inputs, "
-                               f"expected {len(inputs)}")
+            raise RuntimeError(
+                f"scan: the backward graph of fn has {len(bw_places)} inputs, "
+                f"expected {len(inputs)}"
+            )
         bw = ops.Body(
             bw_gm,
             inputs,
@@ -252,9 +273,20 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
         )
         bw_key = ops.add(bw)
     return Traced(
-        nc=nc, ny=ny, length=length, fw=ops.add(fw), bw=bw_key, alias=alias,
-        n_acts=len(acts), carry_spec=init_spec, y_spec=specs["y"], d=d, g=g, ty=ty,
-        y_meta=y_meta, c_meta=c_meta,
+        nc=nc,
+        ny=ny,
+        length=length,
+        fw=ops.add(fw),
+        bw=bw_key,
+        alias=alias,
+        n_acts=len(acts),
+        carry_spec=init_spec,
+        y_spec=specs["y"],
+        d=d,
+        g=g,
+        ty=ty,
+        y_meta=y_meta,
+        c_meta=c_meta,
     )
 
 
