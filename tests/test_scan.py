@@ -163,3 +163,31 @@ def test_bad_input_errors_name_the_problem():
             (torch.zeros(2).to(DEV),) * 2,
             torch.zeros(3, 2).to(DEV),
         )
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
+def test_gallery_models_scan_layers_match_their_loop(name):
+    from gallery.gpt.model import build_gpt
+    from gallery.llama.model import build_llama
+    from torchacc.launch_args import parse_args
+
+    assert parse_args([f"--model={name}", "--scan-layers"]).scan_layers
+    assert not parse_args([f"--model={name}"]).scan_layers
+    build = build_gpt if name.startswith("gpt") else build_llama
+    torch.manual_seed(0)
+    loop = build(name, kernels=True)
+    scanned = copy.deepcopy(loop)
+    scanned.scan_layers = True
+    idx = torch.randint(0, 100, (2, 16)).to(DEV)
+    results = []
+    for model in (loop.to(DEV), scanned.to(DEV)):
+        out = model(idx)
+        out.square().mean().backward()
+        grads = [p.grad.clone() for p in model.parameters()]
+        results.append((out, grads, _pending_ops([out, *grads])))
+    torchacc.sync()
+    (out_a, grads_a, ops_a), (out_b, grads_b, ops_b) = results
+    assert ops_b.count("torchacc.scan.default") == 2 and "torchacc.scan.default" not in ops_a
+    _close(out_b.cpu(), out_a.cpu())
+    for a, b in zip(grads_b, grads_a):
+        _close(a.cpu(), b.cpu())

@@ -40,7 +40,9 @@ def make_task(args: argparse.Namespace) -> Task:
     )
     return Task(
         name=args.model,
-        build_model=lambda a: build_llama(args.model, kernels=kernels),
+        build_model=lambda a: build_llama(
+            args.model, kernels=kernels, scan_layers=getattr(args, "scan_layers", False)
+        ),
         build_dataset=lambda a: dataset,
         loss_fn=lm_loss_fn(kernels),
         default_lr=3e-4,

@@ -130,9 +130,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: bool = False):
+    def __init__(self, cfg: LlamaConfig, kernels: bool = False, scan_layers: bool = False):
         super().__init__()
-        self.config, self.kernels = cfg, kernels
+        self.config, self.kernels, self.scan_layers = cfg, kernels, scan_layers
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
@@ -153,12 +153,38 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        if self.scan_layers and x.device.type == "torchacc":
+            x = _scan_blocks(self.layers, x, cos, sin)
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
-def build_llama(name: str, kernels: bool = False) -> Llama:
+def _scan_blocks(layers: nn.ModuleList, x, cos, sin):
+    """The blocks as one scan over their stacked weights; the rotary tables ride in the carry
+    (a scanned function reads only its carry and its slice of the weights)."""
+    from torchacc.torch_xla.experimental.scan_layers import scan_layers
+
+    class _Carry(nn.Module):  # (x, cos, sin) -> (block(x, cos, sin), cos, sin)
+        def __init__(self, block):
+            super().__init__()
+            self.block = block
+
+        def forward(self, x, cos, sin):
+            return self.block(x, cos, sin), cos, sin
+
+    wrapped = _wrappers.get(id(layers))
+    if wrapped is None or wrapped[0] is not layers:
+        wrapped = _wrappers[id(layers)] = (layers, [_Carry(b) for b in layers])
+    return scan_layers(wrapped[1], (x, cos, sin), is_layer_pure=True)[0]
+
+
+_wrappers: dict = {}  # id(layers) -> (layers, their carry wrappers), built once per model
+
+
+def build_llama(name: str, kernels: bool = False, scan_layers: bool = False) -> Llama:
+    """``scan_layers``: on the torchacc device the blocks run as one ``scan_layers``."""
     if name not in CONFIGS:
         raise KeyError(f"unknown LLaMA config {name!r}; known: {', '.join(CONFIGS)}")
-    return Llama(CONFIGS[name], kernels)
+    return Llama(CONFIGS[name], kernels, scan_layers)
