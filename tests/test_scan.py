@@ -191,3 +191,12 @@ def test_gallery_models_scan_layers_match_their_loop(name):
     _close(out_b.cpu(), out_a.cpu())
     for a, b in zip(grads_b, grads_a):
         _close(a.cpu(), b.cpu())
+
+
+def test_closures_and_random_ops_are_refused_before_recording():
+    w = torch.randn(4, 4).to(DEV)
+    init, xs = torch.zeros(4).to(DEV), torch.ones(3, 4).to(DEV)
+    with pytest.raises(ValueError, match="fn uses a tensor it closes over"):
+        scan(lambda c, x: (c @ w + x, None), init, xs)
+    with pytest.raises(NotImplementedError, match="random op .*dropout"):
+        scan(lambda c, x: (torch.nn.functional.dropout(c + x, 0.5), None), init, xs)

@@ -213,7 +213,16 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
         decompositions=_decompositions(),
     )
     with torch.enable_grad() if grad else torch.no_grad():
-        outs = compiled(*fake_c, *fake_x)
+        try:
+            outs = compiled(*fake_c, *fake_x)
+        except (AssertionError, RuntimeError) as e:  # a real tensor met the placeholders
+            if "FakeTensor" not in str(e) and "got a meta tensor" not in str(e):
+                raise
+            raise ValueError(
+                "scan: fn uses a tensor it closes over (not one of its arguments); scan traces "
+                "fn once on placeholder tensors, so pass every tensor fn reads through init or "
+                f"xs (PyTorch said: {str(e).splitlines()[0][:300]})"
+            ) from None
         diff = [i for i, o in enumerate(outs) if o.requires_grad]
         if diff:
             torch.autograd.backward(

@@ -206,6 +206,8 @@ API = {
     "torch_xla.amp": ["autocast", "GradScaler", "syncfree"],
     "torch_xla.amp.syncfree": ["SGD", "Adam", "AdamW"],
     "torch_xla.experimental": ["eager_mode", "is_eager_mode", "eager_mode_context"],
+    "torch_xla.experimental.scan": ["scan"],
+    "torch_xla.experimental.scan_layers": ["scan_layers"],
     "torch_xla.backends": ["set_mat_mul_precision", "get_mat_mul_precision"],
     "torch_xla.test.test_utils": [
         "mp_test",
