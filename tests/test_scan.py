@@ -167,30 +167,45 @@ def test_bad_input_errors_name_the_problem():
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny"])
 def test_gallery_models_scan_layers_match_their_loop(name):
-    from gallery.gpt.model import build_gpt
+    """build_gpt/build_llama(scan_layers=True): the same values, the blocks' weights stacked
+    (ScannedLayers), one scan each way; outputs and every gradient equal the loop's."""
+    from gallery.gpt.model import build_gpt, num_params
     from gallery.llama.model import build_llama
     from torchacc.launch_args import parse_args
 
     assert parse_args([f"--model={name}", "--scan-layers"]).scan_layers
     assert not parse_args([f"--model={name}"]).scan_layers
     build = build_gpt if name.startswith("gpt") else build_llama
-    torch.manual_seed(0)
-    loop = build(name, kernels=True)
-    scanned = copy.deepcopy(loop)
-    scanned.scan_layers = True
-    idx = torch.randint(0, 100, (2, 16)).to(DEV)
+    models = []
+    for scanned in (False, True):
+        torch.manual_seed(0)
+        models.append(build(name, kernels=True, scan_layers=scanned))
+    loop, stacked = models
+    assert num_params(loop) == num_params(stacked)
+    blocks = loop.h if name.startswith("gpt") else loop.layers
+    idx = torch.randint(0, 100, (2, 16))
     results = []
-    for model in (loop.to(DEV), scanned.to(DEV)):
-        out = model(idx)
+    for model in (loop.to(DEV), stacked.to(DEV)):
+        out = model(idx.to(DEV))
         out.square().mean().backward()
-        grads = [p.grad.clone() for p in model.parameters()]
-        results.append((out, grads, _pending_ops([out, *grads])))
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        results.append((out, grads, _pending_ops([out, *grads.values()])))
     torchacc.sync()
     (out_a, grads_a, ops_a), (out_b, grads_b, ops_b) = results
     assert ops_b.count("torchacc.scan.default") == 2 and "torchacc.scan.default" not in ops_a
+    assert "aten.stack.default" not in ops_b  # the weights are stored stacked
     _close(out_b.cpu(), out_a.cpu())
-    for a, b in zip(grads_b, grads_a):
-        _close(a.cpu(), b.cpu())
+    prefix = "h." if name.startswith("gpt") else "layers."
+    for n, g in grads_b.items():
+        if not n.startswith(prefix):
+            _close(g.cpu(), grads_a[n].cpu())
+            continue
+        inner = n[len(prefix) :].replace("__", ".").removeprefix("block.")
+        per_layer = [grads_a[f"{prefix}{i}.{inner}"].cpu() for i in range(len(blocks))]
+        _close(g.cpu(), torch.stack(per_layer))
+    # on CPU the same module runs its layers as a loop: the same values as the plain blocks
+    with torch.no_grad():
+        torch.testing.assert_close(stacked.cpu()(idx), loop.cpu()(idx), rtol=1e-5, atol=1e-5)
 
 
 def test_closures_and_random_ops_are_refused_before_recording():

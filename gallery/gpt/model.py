@@ -4,9 +4,9 @@ Attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` so the eage
 PyTorch's fused kernels (flash / memory-efficient on CUDA) and the compiler path sees one op.
 With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
 ``torchacc_ops.flash_attention`` (the same call on both paths; on the torchacc device one fused op,
-cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks run as
-one ``scan_layers`` on the torchacc device. Configurations are chosen by name; ``gpt2`` is the
-124M model (124,439,808 parameters).
+cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks are
+one ``ScannedLayers`` of torchacc (stacked weights, one scan on the torchacc device).
+Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808 parameters).
 """
 
 from __future__ import annotations
@@ -113,6 +113,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if scan_layers:  # the same blocks and values, their weights stacked (one per name)
+            from torchacc.torch_xla.experimental.scan_layers import ScannedLayers
+
+            self.h = ScannedLayers(self.h)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -130,11 +134,8 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        if self.scan_layers and x.device.type == "torchacc":
-            # the blocks as one scan over their stacked weights (compiled once, any depth)
-            from torchacc.torch_xla.experimental.scan_layers import scan_layers
-
-            x = scan_layers(self.h, x, is_layer_pure=True)
+        if self.scan_layers:
+            x = self.h(x)  # ScannedLayers: one scan on torchacc, the same loop elsewhere
         else:
             for block in self.h:
                 x = block(x)
@@ -142,8 +143,9 @@ class GPT(nn.Module):
 
 
 def build_gpt(name: str, kernels: bool = False, scan_layers: bool = False, **overrides) -> GPT:
-    """``scan_layers``: on the torchacc device the blocks run as one ``scan_layers`` (one
-    ``lax.scan`` each way, compiled once whatever the depth); elsewhere as the same plain loop."""
+    """``scan_layers``: the blocks are one ``ScannedLayers`` (torchacc): their weights stacked,
+    one ``lax.scan`` each way on the torchacc device (compiled once whatever the depth, and the
+    optimizer sees one parameter per block weight name), the same plain loop elsewhere."""
     if name not in CONFIGS:
         raise KeyError(f"unknown GPT config {name!r}; known: {', '.join(CONFIGS)}")
     cfg = CONFIGS[name]

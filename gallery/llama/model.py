@@ -145,6 +145,10 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if scan_layers:  # the same blocks and values, their weights stacked (one per name)
+            from torchacc.torch_xla.experimental.scan_layers import ScannedLayers
+
+            self.layers = ScannedLayers([_Carry(b) for b in self.layers])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
@@ -153,38 +157,28 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(idx)
-        if self.scan_layers and x.device.type == "torchacc":
-            x = _scan_blocks(self.layers, x, cos, sin)
+        if self.scan_layers:  # ScannedLayers: one scan on torchacc, the same loop elsewhere
+            x = self.layers(x, cos, sin)[0]
         else:
             for layer in self.layers:
                 x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
-def _scan_blocks(layers: nn.ModuleList, x, cos, sin):
-    """The blocks as one scan over their stacked weights; the rotary tables ride in the carry
-    (a scanned function reads only its carry and its slice of the weights)."""
-    from torchacc.torch_xla.experimental.scan_layers import scan_layers
+class _Carry(nn.Module):
+    """A block as ``(x, cos, sin) -> (block(x, cos, sin), cos, sin)``: a scanned layer reads only
+    its carry and its own weights, so the rotary tables ride in the carry."""
 
-    class _Carry(nn.Module):  # (x, cos, sin) -> (block(x, cos, sin), cos, sin)
-        def __init__(self, block):
-            super().__init__()
-            self.block = block
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
 
-        def forward(self, x, cos, sin):
-            return self.block(x, cos, sin), cos, sin
-
-    wrapped = _wrappers.get(id(layers))
-    if wrapped is None or wrapped[0] is not layers:
-        wrapped = _wrappers[id(layers)] = (layers, [_Carry(b) for b in layers])
-    return scan_layers(wrapped[1], (x, cos, sin), is_layer_pure=True)[0]
-
-
-_wrappers: dict = {}  # id(layers) -> (layers, their carry wrappers), built once per model
+    def forward(self, x, cos, sin):
+        return self.block(x, cos, sin), cos, sin
 
 
 def build_llama(name: str, kernels: bool = False, scan_layers: bool = False) -> Llama:
-    """``scan_layers``: on the torchacc device the blocks run as one ``scan_layers``."""
+    """``scan_layers``: the blocks are one ``ScannedLayers`` (torchacc; see ``build_gpt``)."""
     if name not in CONFIGS:
         raise KeyError(f"unknown LLaMA config {name!r}; known: {', '.join(CONFIGS)}")
     return Llama(CONFIGS[name], kernels, scan_layers)

@@ -315,6 +315,8 @@ class _Scan(torch.autograd.Function):
             ctx.save_for_backward(*acts)
             ctx.t = t
             ctx.device = flat[0].device
+        else:  # nothing fn returns depends differentiably on its inputs
+            ctx.mark_non_differentiable(*outs[:n])
         return tuple(outs[:n])
 
     @staticmethod

@@ -7,13 +7,21 @@ step of GPT-2 with AdamW was ~4x its forward+backward, issue 32). ``apply_batche
 whose arguments have the same structure, the same array shapes and dtypes and the same Python
 values, stacks the arrays that differ between the calls of a group along a new leading axis (an
 array every call shares, such as the learning rate, is passed once) and runs the rule once under
-``jax.vmap``; each call gets its slice of the results. The compiled kernels then grow with the
-number of distinct parameter shapes, not with the number of parameters: a transformer's layers
-share every shape. Every element goes through the same operations as member by member, so the
-results are the same bit for bit (tests/test_optim_batched.py checks it against
-``TORCHACC_BATCHED_UPDATES=0``, which turns this off). The fused optimizers use it for members
-that packed state does not already update as one flat array (Note [Flat optimizer updates] in
-optim.py), and the ``_foreach_*`` batched nodes (Note [Batched foreach nodes] in
+``jax.vmap``; each call gets its slice of the results. The intent was kernels that grow with the
+number of distinct parameter shapes, not with the number of parameters. Every element goes
+through the same operations as member by member, so the results are the same bit for bit
+(tests/test_optim_batched.py checks it).
+
+It is OFF by default (``TORCHACC_BATCHED_UPDATES=1`` turns it on): measured on XLA:CPU it makes
+compiles slower, not faster (48 AdamW parameters of one shape: 4.4 s instead of 1.1 s of CPU
+for the fused step's compile, benchmarks/RESULTS.md). XLA already compiles identical kernels
+once, so same-shaped members cost little each; the stacking and slicing the batch adds are
+kernels of their own per member. On a GPU it would launch one kernel per group instead of one
+per parameter (not measured: no GPU lent). What keeps the update's compile flat in depth is
+parameters stored stacked (``ScannedLayers``, torchacc/lazy/scan_layers.py): the optimizer then
+sees one parameter per layer weight name, whatever the depth. When on, the fused optimizers use
+it for members that packed state does not already update as one flat array (Note [Flat optimizer
+updates] in optim.py), and the ``_foreach_*`` batched nodes (Note [Batched foreach nodes] in
 torchacc/lazy/foreach.py) for each op's elements. Each batched group counts
 ``BatchedOptimizerUpdate`` in torchacc.metrics when a program is lowered.
 """
@@ -26,7 +34,7 @@ import jax
 
 from torchacc import metrics
 
-enabled = [os.environ.get("TORCHACC_BATCHED_UPDATES", "1") != "0"]
+enabled = [os.environ.get("TORCHACC_BATCHED_UPDATES", "0") == "1"]
 
 
 def _signature(args):
@@ -76,9 +84,7 @@ def _vmapped(fn, tree, leaves_per_call):
         args, kwargs = jax.tree_util.tree_unflatten(tree, first)
         return [fn(*args, **kwargs)] * len(leaves_per_call)
     batched = [
-        jax.numpy.stack([c[j] for c in leaves_per_call])
-        for j in range(len(first))
-        if stacked[j]
+        jax.numpy.stack([c[j] for c in leaves_per_call]) for j in range(len(first)) if stacked[j]
     ]
 
     def one(*arrays):

@@ -1,7 +1,9 @@
-"""``torch_xla.experimental.scan_layers`` on torchacc: torchacc/lazy/scan_layers.py's."""
+"""``torch_xla.experimental.scan_layers`` on torchacc: torchacc/lazy/scan_layers.py's, and
+torchacc's ``ScannedLayers`` (the layers' weights stored stacked)."""
 
 from __future__ import annotations
 
+from torchacc.lazy.scan_layers import ScannedLayers
 from torchacc.lazy.scan_layers import scan_layers as _scan_layers
 from torchacc.torch_xla._api import differs
 
@@ -12,4 +14,4 @@ def scan_layers(layers, input_data, partition_fn=None, is_layer_pure=False):
     return _scan_layers(layers, input_data, partition_fn=partition_fn, is_layer_pure=is_layer_pure)
 
 
-__all__ = ["scan_layers"]
+__all__ = ["scan_layers", "ScannedLayers"]  # ScannedLayers: torchacc's own (stacked weights)
