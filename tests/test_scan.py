@@ -215,3 +215,23 @@ def test_closures_and_random_ops_are_refused_before_recording():
         scan(lambda c, x: (c @ w + x, None), init, xs)
     with pytest.raises(NotImplementedError, match="random op .*dropout"):
         scan(lambda c, x: (torch.nn.functional.dropout(c + x, 0.5), None), init, xs)
+
+
+def test_autocast_applies_inside_the_scanned_layers():
+    """The body is traced on placeholder torchacc tensors, so torchacc's autocast policy (and its
+    fused linear/attention ops) apply inside it as in the loop: the same loss bit for bit."""
+    from gallery.gpt.model import build_gpt
+    from torchacc.torch_xla.amp import autocast
+
+    losses = []
+    for scanned in (False, True):
+        torch.manual_seed(0)
+        model = build_gpt("gpt-tiny", scan_layers=scanned).to(DEV)
+        with autocast(DEV, dtype=torch.bfloat16):
+            out = model(torch.randint(0, 100, (2, 16)).to(DEV))
+        loss = out.float().square().mean()
+        loss.backward()
+        torchacc.sync()
+        assert out.dtype == torch.bfloat16
+        losses.append(loss.item())
+    assert losses[0] == losses[1]

@@ -145,8 +145,9 @@ def _decompositions():
     return {op: fn for op, fn in core_aten_decompositions().items() if lookup(op) is None}
 
 
-def _fake(shape, dtype, requires_grad):
-    t = torch.empty(tuple(shape), dtype=dtype, device="meta")
+def _fake(mode, shape, dtype, requires_grad):
+    with mode:
+        t = torch.empty(tuple(shape), dtype=dtype, device="torchacc")
     return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
 
 
@@ -176,8 +177,11 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
 
     nc, nx = len(flat_init), len(flat_xs)
     length = flat_xs[0].shape[0]
-    fake_c = [_fake(t.shape, t.dtype, grad) for t in flat_init]
-    fake_x = [_fake(t.shape[1:], t.dtype, grad and t.requires_grad) for t in flat_xs]
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_fallback_kernels=False)
+    fake_c = [_fake(mode, t.shape, t.dtype, grad) for t in flat_init]
+    fake_x = [_fake(mode, t.shape[1:], t.dtype, grad and t.requires_grad) for t in flat_xs]
     specs = {}
 
     def flat_fn(*args):
@@ -212,11 +216,13 @@ def _trace(fn, flat_init, init_spec, flat_xs, xs_spec, partition_fn, grad):
         partition_fn=partition_fn or default_partition,
         decompositions=_decompositions(),
     )
-    with torch.enable_grad() if grad else torch.no_grad():
+    # the whole trace on placeholders, the captured graphs' own run included (a tensor fn
+    # creates, such as a causal mask, is one too)
+    with mode, torch.enable_grad() if grad else torch.no_grad():
         try:
             outs = compiled(*fake_c, *fake_x)
         except (AssertionError, RuntimeError) as e:  # a real tensor met the placeholders
-            if "FakeTensor" not in str(e) and "got a meta tensor" not in str(e):
+            if "FakeTensor" not in str(e) and "next to torchacc tensors" not in str(e):
                 raise
             raise ValueError(
                 "scan: fn uses a tensor it closes over (not one of its arguments); scan traces "
