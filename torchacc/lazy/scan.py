@@ -1,12 +1,14 @@
 """``scan(fn, init, xs)`` on torchacc tensors: one recorded ``torchacc.scan`` node each way.
 
-``fn`` is traced once per call (or once per input signature when ``is_fn_pure``) with
-AOTAutograd on meta tensors into a forward and a backward FX graph (Note [Scan bodies] in
-torchacc/lowering/scan.py). The autograd Function ``_Scan`` records the forward scan, which also
-returns the per-step activations the backward graph needs (stacked), and its backward records the
-reverse scan of the backward graph. Activations that are a step's own slice of ``xs`` are not
-returned: the backward reads ``xs`` itself. On other tensors (CPU, eager) ``scan`` is the plain
-Python loop it stands for, the reference it is tested against.
+``fn`` is traced once per call (or once per input signature when ``is_fn_pure``) with AOTAutograd
+into a forward and a backward FX graph (Note [Scan bodies] in torchacc/lowering/scan.py), on fake
+tensors of the torchacc device: torchacc's autocast policy and its kernels above autograd (linear,
+attention, RMSNorm: torch.ops.torchacc ops) apply inside ``fn`` exactly as in the unrolled loop,
+and a tensor ``fn`` closes over is refused by name. The autograd Function ``_Scan`` records the
+forward scan, which also returns the per-step activations the backward graph needs (stacked), and
+its backward records the reverse scan of the backward graph. Activations that are a step's own
+slice of ``xs`` are not returned: the backward reads ``xs`` itself. On other tensors (CPU, eager)
+``scan`` is the plain Python loop it stands for, the reference it is tested against.
 """
 
 from __future__ import annotations

@@ -1,20 +1,23 @@
 """``torch.ops.torchacc.scan``: one ``jax.lax.scan`` over a body traced once as an FX graph.
 
 Note [Scan bodies]
-``scan(fn, init, xs)`` (torchacc/lazy/scan.py) traces ``fn`` once with AOTAutograd into a forward
-and a backward FX graph of ATen ops. Each graph becomes a ``Body``: the graph, the plumbing from
-the scan's carry and per-step slices to the graph's placeholders and back, and a ``key`` string
-hashed from all of it (the graph's code, its placeholders' shapes and dtypes, its constants'
-bytes, the plumbing). The recorded node is ``torchacc.scan(carry, xs, body, reverse, length)``:
-the key is a static argument, so it is part of the node's signature and of the step's structural
-key (Note [What a compiled step is keyed on]); two traces of the same function give the same key
-and the step reuses its executable. The rule looks the Body up by key and runs ``lax.scan`` whose
-step replays the graph's nodes with their lowering rules (Note [FX calling convention] in
-torchacc/dynamo/lower.py): the repeated block is traced and compiled once, whatever the length.
+``scan(fn, init, xs)`` (torchacc/lazy/scan.py) traces ``fn`` once with AOTAutograd, on fake
+torchacc tensors, into a forward and a backward FX graph of ATen and ``torchacc`` ops (the ops the
+lazy recorder would record, autocast's casts included). Each graph becomes a ``Body``: the graph,
+the plumbing from the scan's carry and per-step slices to the graph's placeholders and back, and a
+``key`` string hashed from all of it (the graph's code, its placeholders' shapes and dtypes, its
+constants' bytes, the plumbing). The recorded node is ``torchacc.scan(carry, xs, body, reverse,
+length)``: the key is a static argument, so it is part of the node's signature and of the step's
+structural key (Note [What a compiled step is keyed on]); two traces of the same function give the
+same key and the step reuses its executable. The rule looks the Body up by key and runs
+``lax.scan`` whose step replays the graph's nodes with their lowering rules (Note [FX calling
+convention] in torchacc/dynamo/lower.py): the repeated block is traced and compiled once, whatever
+the length.
 
-A body must lower completely: an op with no rule cannot fall back to the CPU inside a loop, and
-random ops (dropout) would need a key per iteration; both are refused when the body is made,
-before anything is recorded, naming the op.
+Each distinct body stays registered for the life of the process (one per traced function and input
+signature). A body must lower completely: an op with no rule cannot fall back to the CPU inside a
+loop, and random ops (dropout) would need a key per iteration; both are refused when the body is
+made, before anything is recorded, naming the op.
 """
 
 from __future__ import annotations
