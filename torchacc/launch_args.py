@@ -231,6 +231,14 @@ def build_parser() -> argparse.ArgumentParser:
         "SwiGLU, cross-entropy) on either path (sets TORCHACC_KERNEL_OPT=1)",
     )
     g.add_argument(
+        "--scan-layers",
+        "--scan_layers",
+        dest="scan_layers",
+        action="store_true",
+        help="gpt and llama models: with --compiler-opt the blocks run as one scan_layers (one "
+        "lax.scan, compiled once whatever the depth); without it, as the same plain loop",
+    )
+    g.add_argument(
         "--torch_compile",
         action="store_true",
         help="eager path only: wrap the model in torch.compile (Inductor) for comparison",

@@ -4,8 +4,9 @@ Attention is ``F.scaled_dot_product_attention(..., is_causal=True)`` so the eage
 PyTorch's fused kernels (flash / memory-efficient on CUDA) and the compiler path sees one op.
 With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
 ``torchacc_ops.flash_attention`` (the same call on both paths; on the torchacc device one fused op,
-cuDNN on XLA:GPU). Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808
-parameters).
+cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks are
+one ``ScannedLayers`` of torchacc (stacked weights, one scan on the torchacc device).
+Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808 parameters).
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, cfg: GPTConfig, kernels: bool = False):
+    def __init__(self, cfg: GPTConfig, kernels: bool = False, scan_layers: bool = False):
         super().__init__()
-        self.config, self.kernels = cfg, kernels
+        self.config, self.kernels, self.scan_layers = cfg, kernels, scan_layers
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
         self.drop = nn.Dropout(cfg.dropout)
@@ -112,6 +113,10 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if scan_layers:  # the same blocks and values, their weights stacked (one per name)
+            from torchacc.torch_xla.experimental.scan_layers import ScannedLayers
+
+            self.h = ScannedLayers(self.h)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -129,18 +134,24 @@ class GPT(nn.Module):
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block in self.h:
-            x = block(x)
+        if self.scan_layers:
+            x = self.h(x)  # ScannedLayers: one scan on torchacc, the same loop elsewhere
+        else:
+            for block in self.h:
+                x = block(x)
         return self.lm_head(self.ln_f(x))
 
 
-def build_gpt(name: str, kernels: bool = False, **overrides) -> GPT:
+def build_gpt(name: str, kernels: bool = False, scan_layers: bool = False, **overrides) -> GPT:
+    """``scan_layers``: the blocks are one ``ScannedLayers`` (torchacc): their weights stacked,
+    one ``lax.scan`` each way on the torchacc device (compiled once whatever the depth, and the
+    optimizer sees one parameter per block weight name), the same plain loop elsewhere."""
     if name not in CONFIGS:
         raise KeyError(f"unknown GPT config {name!r}; known: {', '.join(CONFIGS)}")
     cfg = CONFIGS[name]
     if overrides:
         cfg = GPTConfig(**{**cfg.__dict__, **overrides})
-    return GPT(cfg, kernels)
+    return GPT(cfg, kernels, scan_layers)
 
 
 def num_params(model: nn.Module) -> int:

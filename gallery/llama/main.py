@@ -40,7 +40,9 @@ def make_task(args: argparse.Namespace) -> Task:
     )
     return Task(
         name=args.model,
-        build_model=lambda a: build_llama(args.model, kernels=kernels),
+        build_model=lambda a: build_llama(
+            args.model, kernels=kernels, scan_layers=_scan_layers(args)
+        ),
         build_dataset=lambda a: dataset,
         loss_fn=lm_loss_fn(kernels),
         default_lr=3e-4,
@@ -53,6 +55,12 @@ def make_task(args: argparse.Namespace) -> Task:
             f"({len(dataset):,} samples)"
         ),
     )
+
+
+def _scan_layers(args: argparse.Namespace) -> bool:
+    """``--scan-layers`` with ``--compiler-opt``; without it the blocks stay a plain loop (and the
+    eager path never imports torchacc)."""
+    return bool(getattr(args, "scan_layers", False) and args.compiler_opt)
 
 
 def main(argv: list[str] | None = None) -> dict:

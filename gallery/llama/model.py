@@ -130,9 +130,9 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    def __init__(self, cfg: LlamaConfig, kernels: bool = False):
+    def __init__(self, cfg: LlamaConfig, kernels: bool = False, scan_layers: bool = False):
         super().__init__()
-        self.config, self.kernels = cfg, kernels
+        self.config, self.kernels, self.scan_layers = cfg, kernels, scan_layers
         self.embed = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.layers = nn.ModuleList(Block(cfg, kernels) for _ in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
@@ -145,6 +145,10 @@ class Llama(nn.Module):
         for m in self.modules():
             if isinstance(m, (nn.Linear, nn.Embedding)):
                 nn.init.normal_(m.weight, mean=0.0, std=0.02)
+        if scan_layers:  # the same blocks and values, their weights stacked (one per name)
+            from torchacc.torch_xla.experimental.scan_layers import ScannedLayers
+
+            self.layers = ScannedLayers([_Carry(b) for b in self.layers])
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
@@ -153,12 +157,28 @@ class Llama(nn.Module):
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
         cos, sin = self.rope_cos[:t], self.rope_sin[:t]
         x = self.embed(idx)
-        for layer in self.layers:
-            x = layer(x, cos, sin)
+        if self.scan_layers:  # ScannedLayers: one scan on torchacc, the same loop elsewhere
+            x = self.layers(x, cos, sin)[0]
+        else:
+            for layer in self.layers:
+                x = layer(x, cos, sin)
         return self.lm_head(self.norm(x))
 
 
-def build_llama(name: str, kernels: bool = False) -> Llama:
+class _Carry(nn.Module):
+    """A block as ``(x, cos, sin) -> (block(x, cos, sin), cos, sin)``: a scanned layer reads only
+    its carry and its own weights, so the rotary tables ride in the carry."""
+
+    def __init__(self, block: Block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return self.block(x, cos, sin), cos, sin
+
+
+def build_llama(name: str, kernels: bool = False, scan_layers: bool = False) -> Llama:
+    """``scan_layers``: the blocks are one ``ScannedLayers`` (torchacc; see ``build_gpt``)."""
     if name not in CONFIGS:
         raise KeyError(f"unknown LLaMA config {name!r}; known: {', '.join(CONFIGS)}")
-    return Llama(CONFIGS[name], kernels)
+    return Llama(CONFIGS[name], kernels, scan_layers)

@@ -39,7 +39,8 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, spmd
-from torchacc.dynamo.calling import (
+from torchacc.lowering import lookup
+from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
     _eval_python,
     _meta_list,
@@ -47,7 +48,6 @@ from torchacc.dynamo.calling import (
     _val,
     eval_rule,
 )
-from torchacc.lowering import lookup
 
 _SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
 _warned_ops: set = set()

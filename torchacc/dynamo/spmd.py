@@ -71,7 +71,8 @@ def run_eager(op, args):
     trace: one small SPMD program per (op, shapes, dtypes, non-tensor arguments), cached. This
     is the op's CPU/CUDA kernel, so a step that ``compile_step`` runs eagerly (its first call)
     reduces exactly like its compiled form."""
-    from torchacc.dynamo import bridge, calling
+    from torchacc.dynamo import bridge
+    from torchacc.lowering import fx_calling
 
     rule = lookup(op)
     tensors = [t for a in args for t in (a if isinstance(a, (list, tuple)) else [a])]
@@ -86,7 +87,7 @@ def run_eager(op, args):
         def program(*xs):
             it = iter(xs)
             call_args = [_refill(a, it) for a in args]
-            call_args, kwargs = calling._convention(op, rule, call_args, {})
+            call_args, kwargs = fx_calling._convention(op, rule, call_args, {})
             out = rule.fn(*call_args, **kwargs)
             return list(out) if isinstance(out, (list, tuple)) else [out]
 

@@ -46,6 +46,10 @@ class _BackendModule:
         return 0
 
     @staticmethod
+    def is_initialized():  # FakeTensorMode asks (scan traces on fake torchacc tensors)
+        return True
+
+    @staticmethod
     def get_amp_supported_dtype():
         return [torch.float16, torch.bfloat16]
 

@@ -19,6 +19,7 @@ from torchacc.lazy.record import (
 )
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import lookup
+from torchacc.lowering.batching import apply_batched
 from torchacc.lowering.registry import Rule
 
 aten = torch.ops.aten
@@ -122,8 +123,8 @@ def _batched_rule(rule):
     if batched is None:
         fn = rule.fn
 
-        def apply_each(*calls):
-            return [fn(*args, **kwargs) for args, kwargs in calls]
+        def apply_each(*calls):  # same-shaped elements as one (Note [Batched optimizer updates])
+            return apply_batched(fn, calls)
 
         batched = _batched_rules[rule.name] = Rule(
             apply_each, rule.static, False, False, f"batched {rule.name}"

@@ -29,6 +29,7 @@ _FAMILIES = (
     "bessel",
     "segments",
     "metas",
+    "scan",
 )
 
 

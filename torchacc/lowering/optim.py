@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import torch
 
 from torchacc import metrics
+from torchacc.lowering.batching import apply_batched
 from torchacc.lowering.registry import register
 
 aten = torch.ops.aten
@@ -68,7 +69,8 @@ def _unscaled(grad, grad_scale, compute):
 # (~8 ms each on XLA:CPU); on a GPU each kernel is also a launch per step. The members are
 # consecutive pieces of a pack (an optimizer's outputs of the step before, laid out in order), so
 # their concatenation folds back into one slice of it, and the results into the output pack.
-# Larger members keep their own update (concatenating them would copy them), and so does every
+# Larger members keep their own update (concatenating them would copy them; same-shaped ones are
+# batched instead, Note [Batched optimizer updates] in batching.py), and so does every
 # member when packing is off: separate arrays concatenated and sliced apart again gave XLA:CPU
 # more kernels and copies, not fewer (measured on the narrow ResNet-50 step); the program stage
 # says which programs read packs (``packed_members``). Each flat group counts
@@ -114,14 +116,18 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
     def members(i):
         return [lst[i] if lst else None for lst in lists]
 
-    groups, out = {}, [None] * n
+    groups, out, alone = {}, [None] * n, []
     for i in range(n):
         arrays = members(i)
         if limit and arrays[0].size <= limit:
             dtypes = tuple(None if a is None else a.dtype for a in arrays)
             groups.setdefault(dtypes, []).append(i)
         else:
-            out[i] = update(arrays, scalars(i))
+            alone.append(i)
+    # the others: same-shaped members as one batched update (Note [Batched optimizer updates])
+    results = apply_batched(update, [((members(i), scalars(i)), {}) for i in alone])
+    for i, r in zip(alone, results):
+        out[i] = r
     for idx in groups.values():
         if len(idx) == 1:
             out[idx[0]] = update(members(idx[0]), scalars(idx[0]))

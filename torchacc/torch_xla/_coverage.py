@@ -216,6 +216,8 @@ API = {
     "torch_xla.experimental.callback": ["on_ready_callback", "on_ready_event"],
     "torch_xla.experimental.deprecation": ["deprecated", "mark_deprecated"],
     "torch_xla.core.xla_op_registry": ["Op", "register"],
+    "torch_xla.experimental.scan": ["scan"],
+    "torch_xla.experimental.scan_layers": ["scan_layers"],
     "torch_xla.backends": ["set_mat_mul_precision", "get_mat_mul_precision"],
     "torch_xla.test.test_utils": [
         "mp_test",

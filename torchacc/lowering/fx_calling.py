@@ -1,5 +1,7 @@
 """Replaying one FX node with its lowering rule: the rules' calling convention (Note [FX calling
-convention] in lower.py), result fix-ups, and the Python size/scalar nodes between them."""
+convention] in torchacc/dynamo/lower.py), result fix-ups, and the Python size/scalar nodes between
+them. Used by the trace-once frontend's programs and by the bodies of ``torchacc.scan`` (scan.py).
+"""
 
 from __future__ import annotations
 
@@ -11,12 +13,6 @@ from torch import fx
 
 from torchacc.lowering.dtypes import JAX_TO_TORCH, jdtype, wrapped_number_dtype
 from torchacc.lowering.registry import scalar_arguments
-
-_SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
-_warned_ops: set = set()
-# Called as hook(executable, key, arrays) before every program launch when set (benchmarks).
-launch_hook = None
-
 
 _TRACED_ITEM = torch.ops.aten._local_scalar_dense.default
 

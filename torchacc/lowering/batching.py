@@ -1,0 +1,101 @@
+"""Same-shaped calls of one rule as one batched (``jax.vmap``) call: the optimizer updates.
+
+Note [Batched optimizer updates]
+An optimizer step applies the same elementwise update to every parameter. Member by member, each
+parameter of its own shape is its own set of XLA kernels, and XLA compiles each (the cold first
+step of GPT-2 with AdamW was ~4x its forward+backward, issue 32). ``apply_batched`` groups the calls
+whose arguments have the same structure, the same array shapes and dtypes and the same Python
+values, stacks the arrays that differ between the calls of a group along a new leading axis (an
+array every call shares, such as the learning rate, is passed once) and runs the rule once under
+``jax.vmap``; each call gets its slice of the results. The intent was kernels that grow with the
+number of distinct parameter shapes, not with the number of parameters. Every element goes
+through the same operations as member by member, so the results are the same bit for bit
+(tests/test_optim_batched.py checks it).
+
+It is OFF by default (``TORCHACC_BATCHED_UPDATES=1`` turns it on): measured on XLA:CPU it makes
+compiles slower, not faster (48 AdamW parameters of one shape: 4.4 s instead of 1.1 s of CPU
+for the fused step's compile, benchmarks/RESULTS.md). XLA already compiles identical kernels
+once, so same-shaped members cost little each; the stacking and slicing the batch adds are
+kernels of their own per member. On a GPU it would launch one kernel per group instead of one
+per parameter (not measured: no GPU lent). What keeps the update's compile flat in depth is
+parameters stored stacked (``ScannedLayers``, torchacc/lazy/scan_layers.py): the optimizer then
+sees one parameter per layer weight name, whatever the depth. When on, the fused optimizers use
+it for members that packed state does not already update as one flat array (Note [Flat optimizer
+updates] in optim.py), and the ``_foreach_*`` batched nodes (Note [Batched foreach nodes] in
+torchacc/lazy/foreach.py) for each op's elements. Each batched group counts
+``BatchedOptimizerUpdate`` in torchacc.metrics when a program is lowered.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax
+
+from torchacc import metrics
+
+enabled = [os.environ.get("TORCHACC_BATCHED_UPDATES", "0") == "1"]
+
+
+def _signature(args):
+    leaves, tree = jax.tree_util.tree_flatten(args)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, jax.Array):
+            parts.append((leaf.shape, leaf.dtype))
+        else:
+            parts.append(("value", type(leaf), leaf))
+    return tree, tuple(parts), leaves
+
+
+def apply_batched(fn, calls):
+    """``[fn(*args, **kwargs) for args, kwargs in calls]``, each group of same-shaped calls as
+    one ``jax.vmap`` call (Note [Batched optimizer updates])."""
+    if not enabled[0] or len(calls) < 2:
+        return [fn(*a, **k) for a, k in calls]
+    groups, flat = {}, []
+    for i, call in enumerate(calls):
+        tree, parts, leaves = _signature(call)
+        flat.append(leaves)
+        try:
+            groups.setdefault((tree, parts), []).append(i)
+        except TypeError:  # an unhashable Python value: this call on its own
+            groups[("alone", i)] = [i]
+    out = [None] * len(calls)
+    for key, idx in groups.items():
+        if len(idx) == 1 or key[0] == "alone":
+            for i in idx:
+                out[i] = fn(*calls[i][0], **calls[i][1])
+            continue
+        metrics.counter_inc("BatchedOptimizerUpdate")
+        for i, result in zip(idx, _vmapped(fn, key[0], [flat[i] for i in idx])):
+            out[i] = result
+    return out
+
+
+def _vmapped(fn, tree, leaves_per_call):
+    """One vmapped call for calls whose flattened arguments are ``leaves_per_call``."""
+    first = leaves_per_call[0]
+    stacked = [
+        isinstance(leaf, jax.Array) and any(c[j] is not leaf for c in leaves_per_call)
+        for j, leaf in enumerate(first)
+    ]
+    if not any(stacked):  # the same call every time
+        args, kwargs = jax.tree_util.tree_unflatten(tree, first)
+        return [fn(*args, **kwargs)] * len(leaves_per_call)
+    batched = [
+        jax.numpy.stack([c[j] for c in leaves_per_call]) for j in range(len(first)) if stacked[j]
+    ]
+
+    def one(*arrays):
+        it = iter(arrays)
+        leaves = [next(it) if s else leaf for s, leaf in zip(stacked, first)]
+        args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+        return fn(*args, **kwargs)
+
+    results = jax.vmap(one)(*batched)
+    out_leaves, out_tree = jax.tree_util.tree_flatten(results)
+    return [
+        jax.tree_util.tree_unflatten(out_tree, [leaf[k] for leaf in out_leaves])
+        for k in range(len(leaves_per_call))
+    ]
