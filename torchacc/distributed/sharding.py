@@ -155,14 +155,14 @@ def mark(t, sharding, call="mark_sharding"):
     from torchacc.lazy import mutation
     from torchacc.lazy.record import record_values, value_of
     from torchacc.lowering import sharding as rules
-    from torchacc.program import known
 
     _check_device(t, call)
     runtime_mesh.adopt_mesh(sharding.mesh)
     value = value_of(t)
     if t._view is None and value.node is None and value.buf is not None:
+        # a known step's launch is keyed on its inputs' shardings too (program/sharding.py):
+        # resharding an input (a batch every step) keeps the step known
         value.buf = _reshard(value, sharding)
-        known.spoil("a tensor was resharded")
     else:
         name = rules.name_sharding(sharding)
         constrained = record_values(rules.shard_op, (t, name), {})[0][0]
