@@ -133,11 +133,16 @@ def _average_gradients_over(module, dp):
 
 
 def _spmd_device_count():
-    """Switch SPMD mode on (before any tensor is on the device) and count the job's devices."""
+    """The job's devices for a (dp, fsdp, tp) mesh. One process counts its devices without
+    switching SPMD mode on (``_lazy_sharded`` does, once the config is valid); several processes
+    must switch it on first, since they join the job with every local device."""
     from torchacc.distributed import sharding
+    from torchacc.runtime import mesh
 
-    sharding.use_spmd()
-    return sharding.device_count()
+    if _world_size() > 1:
+        sharding.use_spmd()
+        return sharding.device_count()
+    return len(mesh.devices())
 
 
 def _lazy_sharded(model, sizes):
@@ -149,6 +154,7 @@ def _lazy_sharded(model, sizes):
     from torchacc.distributed import sharding
     from torchacc.lazy.device import device
 
+    sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
     mesh = sharding.jax_mesh(range(dp * fsdp * tp), (dp, fsdp, tp), ("dp", "fsdp", "tp"))
     dev = device()

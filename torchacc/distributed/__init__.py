@@ -89,8 +89,12 @@ def broadcast_optimizer_state(optimizer, root_rank=0):
 def __getattr__(name):
     import importlib
 
-    # collectives register custom ops and rules: load them on first use, not with the runtime
-    if name in ("collectives", "xla_backend", "state", "host", "torch_api"):
+    # collectives register custom ops and rules: load them on first use, not with the runtime.
+    # Our own submodules (checkpoint, sharding, fsdp, ...) win over torch.distributed's names:
+    # ``from torchacc.distributed import checkpoint`` asks this hook before importing it
+    import importlib.util
+
+    if not name.startswith("_") and importlib.util.find_spec(f"torchacc.distributed.{name}"):
         return importlib.import_module(f"torchacc.distributed.{name}")
     if name in _TORCH_API:
         return getattr(importlib.import_module("torchacc.distributed.torch_api"), name)
