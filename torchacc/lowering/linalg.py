@@ -93,10 +93,13 @@ def linalg_cholesky_ex(self, upper=False, check_errors=False):
     return (_mH(L) if upper else L), _cholesky_info(L)
 
 
-@register(aten.cholesky.default)
 def cholesky(self, upper=False):
     L = jnp.tril(lax.linalg.cholesky(_f(self), symmetrize_input=False))
     return _mH(L) if upper else L
+
+
+if hasattr(aten, "cholesky"):  # torch 2.14 removed the deprecated aten::cholesky
+    register(aten.cholesky.default)(cholesky)
 
 
 def _tri_inv(t, lower):
