@@ -14,45 +14,22 @@ from torchacc.torch_xla import _xla_device
 
 
 def test_xla_strings_reach_the_torchacc_device_with_eager_numerics():
-    dev = torchacc.device()
-    torch.manual_seed(0)
-    host = torch.randn(3, 4)
-    model = torch.nn.Linear(4, 2)
-    eager_out = model(host) * 2 + torch.arange(2.0)
-    made = {
-        "tensor": torch.tensor([[1.0, 2.0]], device="xla"),
-        "as_tensor": torch.as_tensor([3, 4], device="xla:0"),
-        "asarray": torch.asarray([5.0], device=torch.device("xla")),
-        "to": host.to("xla"),
-        "to_kw": host.to(device="xla:0", dtype=torch.float16),
-        "new_tensor": host.new_tensor([6.0], device="xla"),
-        "zeros": torch.zeros(2, 3, device="xla"),
-        "full": torch.full((2,), 7.0, device="xla:0"),
-        "arange": torch.arange(5, device="xla"),
-        "eye": torch.eye(3, device=torch.device("xla", 0)),
-        "zeros_like": torch.zeros_like(host, device="xla"),
-        "rand": torch.rand(4, device="xla"),
-    }
-    for name, t in made.items():
-        assert t.device == dev, name
-    model = model.to("xla")  # Module.to goes through Tensor.to
-    assert model.weight.device == dev
-    out = model(made["to"]) * 2 + torch.arange(2.0, device="xla")
-    torchacc.sync()
-    torch.testing.assert_close(out.cpu(), eager_out)
-    torch.testing.assert_close(made["to_kw"].cpu(), host.half())
-    assert made["tensor"].cpu().tolist() == [[1.0, 2.0]]
-    assert made["as_tensor"].cpu().tolist() == [3, 4] and made["as_tensor"].dtype == torch.int64
-    assert made["asarray"].cpu().tolist() == [5.0]
-    assert made["new_tensor"].cpu().tolist() == [6.0]
-    assert made["full"].cpu().tolist() == [7.0, 7.0]
-    assert made["arange"].cpu().tolist() == [0, 1, 2, 3, 4]
-    torch.testing.assert_close(made["eye"].cpu(), torch.eye(3))
-    assert made["zeros"].cpu().abs().sum().item() == 0
-    rand = made["rand"].cpu()
-    assert ((rand >= 0) & (rand < 1)).all() and rand.unique().numel() == 4
-    # other devices are untouched
-    assert host.to("cpu") is host and torch.tensor([1.0]).device.type == "cpu"
+    """Run in a fresh process: a factory that reaches torch's XLA dispatch key (``device="xla"``)
+    leaves the process in a state where a later backward through ``torch.stft`` fails inside
+    torch's autograd engine (SystemError; README limits), which would break other tests."""
+    import os
+    import subprocess
+    import sys
+
+    case = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_device_strings_case.py")
+    proc = subprocess.run(
+        [sys.executable, case],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    assert proc.returncode == 0 and "xla strings ok" in proc.stdout, proc.stderr[-4000:]
 
 
 @pytest.mark.parametrize(
