@@ -181,6 +181,10 @@ def _reshard(value, sharding):
         return array
     if tuple(array.shape) == padded and not _spans_processes(sharding):
         return jax.device_put(array, sharding)
+    if not runtime_mesh.same_devices(getattr(array.sharding, "mesh", sharding.mesh), sharding.mesh):
+        # another device order: move the data onto the target's devices first (replicated)
+        replicated = jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+        array = jax.device_put(array, replicated)
 
     def relayout(a):
         a = a[tuple(slice(0, n) for n in logical)]

@@ -204,7 +204,7 @@ def _get_xla_tensors_hlo(tensors):
         return ""
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
-    args += graph.args()
+    args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical (padded)
     return jax.jit(program_of(graph)).lower(*args).as_text(dialect="hlo")
 
 

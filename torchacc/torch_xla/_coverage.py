@@ -212,7 +212,6 @@ API = {
         "SPMDLoadPlanner",
         "prime_optimizer",
     ],
-
     "torch_xla.experimental.callback": ["on_ready_callback", "on_ready_event"],
     "torch_xla.experimental.deprecation": ["deprecated", "mark_deprecated"],
     "torch_xla.core.xla_op_registry": ["Op", "register"],

@@ -47,8 +47,9 @@ def global_device_count():
 
 
 def global_runtime_device_count():
-    """Devices of the job: every process's local devices in SPMD mode, else one per process."""
-    return _sharding.device_count() if _sharding.is_spmd() else world_size()
+    """Devices of the job JAX sees (every process's local devices; one per process when each
+    process joined with its own device), SPMD mode or not, as torch_xla counts them."""
+    return _sharding.device_count()
 
 
 def device_type():

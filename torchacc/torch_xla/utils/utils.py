@@ -43,3 +43,10 @@ def getenv_as(name, dtype, defval=None):
     if dtype is bool:
         return env.lower() in ("1", "true", "yes", "y", "on")
     return dtype(env)
+
+
+def check_env_flag(name, default=""):
+    """Whether the environment variable ``name`` (else ``default``) is 1/true/yes/on."""
+    import os
+
+    return os.environ.get(name, default).strip().upper() in ("1", "Y", "YES", "TRUE", "ON")

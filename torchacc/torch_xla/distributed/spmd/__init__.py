@@ -4,6 +4,7 @@ tensors through XLA's SPMD partitioner. See
 
 from torchacc.torch_xla.distributed.spmd.xla_sharding import (
     HybridMesh,
+    MarkShardingFunction,
     Mesh,
     ShardingSpec,
     ShardingType,
@@ -34,6 +35,7 @@ from torchacc.torch_xla.distributed.spmd.xla_sharding import (
 
 __all__ = [
     "HybridMesh",
+    "MarkShardingFunction",
     "Mesh",
     "ShardingSpec",
     "ShardingType",

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torchacc.distributed import sharding as engine
-from torchacc.torch_xla._api import differs, not_implemented
+from torchacc.torch_xla._api import not_implemented
 
 _MANUAL = (
     "manual sharding (shard_map-style regions inside a recorded step) is not supported; "
@@ -343,9 +343,32 @@ def _check_unsplit(call, t, mesh, partition_spec):
                 )
 
 
-@differs("the gradient is not constrained (XLA's propagation places it)")
+class MarkShardingFunction(torch.autograd.Function):
+    """``MarkShardingFunction.apply(t, mesh, partition_spec)``: ``t`` sharded by the spec, and
+    its gradient sharded the same way in the backward pass (torch_xla's autograd-aware form of
+    ``mark_sharding``). Returns a new tensor (the constrained value)."""
+
+    @staticmethod
+    def forward(ctx, t, mesh, partition_spec):
+        ctx.mesh, ctx.partition_spec = mesh, partition_spec
+        out = t.clone()
+        mark_sharding(out, mesh, partition_spec)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        mark_sharding(grad, ctx.mesh, ctx.partition_spec)
+        return grad, None, None
+
+
 def mark_sharding_with_gradients(t, mesh, partition_spec):
-    return mark_sharding(t, mesh, partition_spec)
+    """``mark_sharding`` whose gradient is sharded the same way (returns the new tensor)."""
+    mesh = _mesh_or_global(mesh, "xs.mark_sharding_with_gradients")
+    if not engine.is_spmd():
+        _check_unsplit("xs.mark_sharding_with_gradients", t, mesh, partition_spec)
+        return t
+    return MarkShardingFunction.apply(unwrap_sharded_tensor(t), mesh, partition_spec)
 
 
 def annotate_custom_sharding(t, mesh, partition_spec):
