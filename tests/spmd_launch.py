@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
@@ -20,19 +21,33 @@ REPO = os.path.dirname(HERE)
 CASES = os.path.join(HERE, "spmd_cases")
 
 
+def _run(cmd, env, timeout):
+    """``cmd`` in a session of its own; on timeout every process of it (torchrun's workers
+    too) is killed by process group, then the timeout is raised: nothing hangs or lingers."""
+    proc = subprocess.Popen(
+        cmd,
+        env=env,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 def run_cases(name, devices=4, extra_env=None, timeout=600):
     """Run ``spmd_cases/<name>`` under pytest with ``devices`` CPU devices; its stdout."""
     case_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     case_env.update({k: str(v) for k, v in (extra_env or {}).items()})
     cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
-    proc = subprocess.run(
-        [*cmd, "-p", "no:xdist", os.path.join(CASES, name)],
-        env=case_env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    proc = _run([*cmd, "-p", "no:xdist", os.path.join(CASES, name)], case_env, timeout)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
     return proc.stdout
@@ -50,20 +65,13 @@ def torchrun_case(script, *args, devices=2, timeout=400):
         os.path.join(CASES, script),
         *map(str, args),
     ]
-    return subprocess.run(
-        cmd,
-        env=env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=devices),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        cwd=REPO,
-    )
+    return _run(cmd, env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES=devices), timeout)
 
 
 def launch_gpt_tiny(tmp_path, name, *flags, **env_extra):
     """4 steps of gpt-tiny (fp32, batch 8) through the launcher: (process, its --output JSON)."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.run(
+    proc = _run(
         [
             sys.executable,
             "launch_single_task.py",
@@ -75,10 +83,7 @@ def launch_gpt_tiny(tmp_path, name, *flags, **env_extra):
             f"--output={out}",
             *flags,
         ],
-        env=env(TORCHACC_CACHE_DIR="off", **env_extra),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
+        env(TORCHACC_CACHE_DIR="off", **env_extra),
+        300,
     )
     return proc, (json.loads(out.read_text()) if proc.returncode == 0 else None)

@@ -21,7 +21,7 @@ from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-export
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
 from torchacc.program import known, pack, sharding
-from torchacc.runtime.processes import spans_processes as mesh_spans_processes
+from torchacc.runtime import mesh, processes
 
 _last_outputs: list = []
 _last_sync_end = [None]
@@ -106,7 +106,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
             pack.lay_out_like_results(outputs, starts, plan, held)
     graph = compiler.Graph(outputs, held if donate else None, plan)
     shardings = None
-    if sharding.active():  # Note [SPMD mode] in runtime/mesh.py
+    if mesh.is_spmd():  # Note [SPMD mode] in runtime/mesh.py
         sharding.normalize(graph.loose)
         shardings = sharding.plan(graph, outputs, starts)
     args = _args(graph.floats, graph.ints, graph.args())
@@ -119,7 +119,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
 def _args(floats, ints, arrays):
     floats = np.asarray(floats, dtype=np.float64)
     ints = np.asarray(ints, dtype=np.int64)
-    if sharding.active() and mesh_spans_processes():  # global arrays, not host data
+    if mesh.is_spmd() and processes.spans_processes():  # global arrays, not host data
         floats, ints = put(floats), put(ints)
     return [floats, ints, *arrays]
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from torchacc import mpi_env
+from torchacc.runtime import processes
 
 
 class _State:
@@ -33,13 +34,7 @@ _state = _State()
 
 
 def _env_int(name, default):
-    text = os.environ.get(name, "")
-    if text == "":
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"torchacc.horovod.init: {name}={text!r} is not an integer") from None
+    return processes.env_int(name, default, who="torchacc.horovod.init")
 
 
 def _backend():

@@ -31,10 +31,6 @@ import jax
 from torchacc.runtime import mesh, processes
 
 
-def active():
-    return mesh._state.on
-
-
 def normalize(loose):
     """Lay a step's loose inputs out for one program: replicated data (and data on a single
     device, e.g. ``call_jax``'s results) moves onto the engine mesh, as JAX cannot mix a
@@ -142,6 +138,6 @@ def logical(array, shape):
 
 def launch_key(loose):
     """The part of a known step's launch key that SPMD adds: its arguments' shardings."""
-    if not mesh._state.on:
+    if not mesh.is_spmd():
         return ()
     return tuple([(getattr(v.buf, "sharding", None), getattr(v.buf, "shape", None)) for v in loose])

@@ -10,7 +10,7 @@ import numpy as np
 
 from torchacc.runtime import processes
 from torchacc.runtime.device import jax_device, platform
-from torchacc.runtime.processes import _env_int, _jax_distributed_client
+from torchacc.runtime.processes import _jax_distributed_client, env_int
 
 _mesh = [None, None]  # the process mesh and its replicated sharding, built on first use
 
@@ -87,7 +87,7 @@ def _align_after_compile():
     if client is None:
         return
     _compiles[0] += 1
-    timeout_s = _env_int("TORCHACC_COMPILE_BARRIER_TIMEOUT", 1800)
+    timeout_s = env_int("TORCHACC_COMPILE_BARRIER_TIMEOUT", 1800)
     client.wait_at_barrier(f"torchacc/compiled/{_compiles[0]}", timeout_s * 1000)
 
 

@@ -95,14 +95,9 @@ def _set_mesh(mesh):
 
 
 def adopt_mesh(mesh):
-    """Make ``mesh`` (a jax Mesh over every device) the engine mesh; returns True if it changed
-    the device order replicated data is laid out in."""
-    current = engine_mesh()
-    if current is mesh or current == mesh:
-        return False
-    reordered = list(current.devices.flat) != list(mesh.devices.flat)
-    _set_mesh(mesh)
-    return reordered
+    """Make ``mesh`` (a jax Mesh over every device) the engine mesh."""
+    if engine_mesh() != mesh:
+        _set_mesh(mesh)
 
 
 def replicated():

@@ -48,14 +48,16 @@ _state = _State()
 _lock = threading.RLock()
 
 
-def _env_int(name, default):
+def env_int(name, default, who="torchacc.distributed"):
+    """The environment variable ``name`` as an int (``default`` when unset or empty); a
+    ``ValueError`` naming ``who`` and the variable when it is not a whole number."""
     text = os.environ.get(name, "")
     if text == "":
         return default
     try:
         return int(text)
     except ValueError:
-        raise ValueError(f"torchacc.distributed: {name}={text!r} is not an integer") from None
+        raise ValueError(f"{who}: {name}={text!r} is not an integer") from None
 
 
 def _auto_enabled():
@@ -64,7 +66,7 @@ def _auto_enabled():
 
 def env_world_size():
     """WORLD_SIZE from the environment (1 when unset)."""
-    return _env_int("WORLD_SIZE", 1)
+    return env_int("WORLD_SIZE", 1)
 
 
 def maybe_initialize():
@@ -110,13 +112,13 @@ def coordinator_address():
     if explicit:
         return explicit
     addr = os.environ.get("MASTER_ADDR")
-    port = _env_int("MASTER_PORT", None)
+    port = env_int("MASTER_PORT", None)
     if not addr or port is None:
         raise RuntimeError(
             f"torchacc.distributed: WORLD_SIZE={env_world_size()} but MASTER_ADDR/MASTER_PORT are "
             "not set; start the job with torchrun (or set TORCHACC_COORDINATOR_ADDRESS=host:port)"
         )
-    port = _env_int("TORCHACC_COORDINATOR_PORT", port + 1)
+    port = env_int("TORCHACC_COORDINATOR_PORT", port + 1)
     return f"{addr}:{port}"
 
 
@@ -143,9 +145,9 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                     f"torchacc.distributed: WORLD_SIZE={world} but RANK is not set; start the job "
                     "with torchrun"
                 )
-            rank = _env_int("RANK", 0)
+            rank = env_int("RANK", 0)
         if local_rank is None:
-            local_rank = _env_int("LOCAL_RANK", 0)
+            local_rank = env_int("LOCAL_RANK", 0)
         if not 0 <= rank < world:
             raise RuntimeError(f"torchacc.distributed: RANK={rank} is not in [0, {world})")
         address = coordinator or coordinator_address()
@@ -166,9 +168,9 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                 local_device_ids=None if wants_all_local_devices() else [local_rank],
                 coordinator_bind_address=os.environ.get("TORCHACC_COORDINATOR_BIND_ADDRESS")
                 or address,
-                initialization_timeout=_env_int("TORCHACC_INIT_TIMEOUT", 300),
-                heartbeat_timeout_seconds=_env_int("TORCHACC_HEARTBEAT_TIMEOUT", 20),
-                shutdown_timeout_seconds=_env_int("TORCHACC_SHUTDOWN_TIMEOUT", 300),
+                initialization_timeout=env_int("TORCHACC_INIT_TIMEOUT", 300),
+                heartbeat_timeout_seconds=env_int("TORCHACC_HEARTBEAT_TIMEOUT", 20),
+                shutdown_timeout_seconds=env_int("TORCHACC_SHUTDOWN_TIMEOUT", 300),
             )
         except Exception as e:
             raise RuntimeError(
@@ -182,7 +184,7 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
 def _set_state(rank, world, local_rank):
     _state.rank = int(rank)
     _state.world = int(world)
-    _state.local_rank = int(local_rank if local_rank is not None else _env_int("LOCAL_RANK", 0))
+    _state.local_rank = int(local_rank if local_rank is not None else env_int("LOCAL_RANK", 0))
     _state.initialized = True
 
 
@@ -238,7 +240,7 @@ def local_rank():
 def local_world_size():
     """Processes on this machine: LOCAL_WORLD_SIZE as torchrun sets it (None if unknown)."""
     _ensure()
-    n = _env_int("LOCAL_WORLD_SIZE", None)
+    n = env_int("LOCAL_WORLD_SIZE", None)
     if n is None and _state.world == 1:
         return 1
     return n

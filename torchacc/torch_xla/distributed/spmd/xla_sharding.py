@@ -317,19 +317,10 @@ def _check_unsplit(call, t, mesh, partition_spec):
             f"{call}: partition spec {spec} has {len(spec)} entries for a tensor of rank "
             f"{t.dim()} (shape {tuple(t.shape)}) on mesh {mesh}"
         )
-    sizes = mesh.shape()
+    sizes = {**dict(zip(mesh._names(), mesh.mesh_shape)), **dict(enumerate(mesh.mesh_shape))}
     for entry in spec:
         for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
-            name = (
-                axis
-                if isinstance(axis, str)
-                else (
-                    mesh._names()[axis]
-                    if isinstance(axis, int) and 0 <= axis < len(mesh.mesh_shape)
-                    else None
-                )
-            )
-            size = mesh.mesh_shape[axis] if isinstance(axis, int) and name else sizes.get(axis)
+            size = sizes.get(axis)
             if size is None:
                 raise ValueError(
                     f"{call}: axis {axis!r} in partition spec {spec} (tensor of shape "
