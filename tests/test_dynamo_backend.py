@@ -140,7 +140,6 @@ def test_hf_model_from_config_trains_like_eager():
     see the session note), so the suite checks it where nothing else ran before."""
     if os.environ.get("TORCHACC_TEST_ISOLATED") != "1":
         import subprocess
-        import sys
 
         proc = subprocess.run(
             [
