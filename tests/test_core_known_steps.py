@@ -354,3 +354,42 @@ def test_many_variants_of_one_stream_stay_bounded_and_correct():
         torch.testing.assert_close(w.cpu(), ref)
     assert all(len(st.variants) <= known._MAX_VARIANTS for st in known._streams)
     assert _known() == 0  # every step kept another intermediate: none repeats an earlier one
+
+
+def test_reading_gradient_views_after_the_sync_runs_no_program_and_keeps_steps_known():
+    """A broadcast weight's gradient (autograd's ``sum_to_size``: a sum, then a view) is a view
+    of a backward result: read after ``mark_step`` it is taken from the computed storage on the
+    host (no program, no spoiled known step), and equals eager's."""
+    torch.manual_seed(0)
+    norm, head = _Scale(8), torch.nn.Linear(8, 3)
+    models = {"cpu": (norm, head)}
+    models["dev"] = tuple(copy.deepcopy(m).to(DEV) for m in models["cpu"])
+    grads = {}
+    for where, (n, h) in models.items():
+        device = DEV if where == "dev" else "cpu"
+        opt = torch.optim.SGD([*n.parameters(), *h.parameters()], lr=0.01)
+        out = []
+        for step in range(5):
+            x = torch.randn(2, 4, 8, generator=torch.Generator().manual_seed(step)).to(device)
+            opt.zero_grad()
+            h(n(x)).square().sum().backward()
+            opt.step()
+            if device == DEV:
+                torchacc.sync()
+                if step == 2:
+                    metrics.clear_all()
+            out.append(n.weight.grad.cpu())
+        grads[where] = out
+    assert metrics.counter_value("UncachedCompile") in (None, 0)
+    assert _known() == 2  # steps 3 and 4 launched as known steps
+    for got, want in zip(grads["dev"], grads["cpu"]):
+        torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-4)  # 5 SGD steps apart
+
+
+class _Scale(torch.nn.Module):
+    def __init__(self, n):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.rand(n) + 0.5)
+
+    def forward(self, x):
+        return x * self.weight

@@ -239,6 +239,12 @@ def build_parser() -> argparse.ArgumentParser:
         "lax.scan, compiled once whatever the depth); without it, as the same plain loop",
     )
     g.add_argument(
+        "--packing",
+        action="store_true",
+        help="llama model: padding-free packed rows (several sequences of random length per row, "
+        "position ids restarting at each; attention stays inside each sequence), SFT style",
+    )
+    g.add_argument(
         "--torch_compile",
         action="store_true",
         help="eager path only: wrap the model in torch.compile (Inductor) for comparison",

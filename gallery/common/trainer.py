@@ -296,7 +296,7 @@ def _compiled_step(task: Task, model: nn.Module, optimizer, scaler, autocast_cm,
         if task.preprocess is not None:
             inputs = task.preprocess(inputs)
         with autocast_cm():
-            loss = task.loss_fn(model(inputs), target)
+            loss = task.loss_fn(_forward(model, inputs), target)
         optimizer.zero_grad(set_to_none=True)
         (scaler.scale(loss) if scaler is not None else loss).backward()
         if xm is not None:
@@ -431,6 +431,22 @@ def _parallelize(model, args, logger):
         f"(unsharded {sum(p.numel() * p.element_size() for p in model.parameters()):,})"
     )
     return model
+
+
+def _as_tuple(inputs) -> tuple:
+    """A batch's inputs: one tensor, or a tuple of tensors (packed rows: ids, position ids)."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def _to_device(inputs, device, **kwargs):
+    if isinstance(inputs, tuple):
+        return tuple(t.to(device, **kwargs) for t in inputs)
+    return inputs.to(device, **kwargs)
+
+
+def _forward(model: nn.Module, inputs):
+    """``model(inputs)``, or ``model(*inputs)`` for a tuple of input tensors."""
+    return model(*inputs) if isinstance(inputs, tuple) else model(inputs)
 
 
 def _shard_batch(mesh, *tensors):
@@ -738,11 +754,11 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                 t_last += prof.begin(step)  # starting the profiler is not the step's time
             compiles_before = compile_count()
             if compiler:
-                inputs, target = inputs.to(device), target.to(device)
+                inputs, target = _to_device(inputs, device), target.to(device)
                 if fsdp:  # the batch split over the mesh's data and fsdp axes
-                    _shard_batch(spmd_mesh[0], inputs, target)
+                    _shard_batch(spmd_mesh[0], *_as_tuple(inputs), target)
             else:
-                inputs = inputs.to(device, non_blocking=True)
+                inputs = _to_device(inputs, device, non_blocking=True)
                 target = target.to(device, non_blocking=True)
                 if cuda and task.channels_last:
                     inputs = inputs.contiguous(memory_format=torch.channels_last)
@@ -753,7 +769,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
                     inputs = task.preprocess(inputs)
 
                 with autocast_context_manager():
-                    output = model(inputs)
+                    output = _forward(model, inputs)
                     loss = task.loss_fn(output, target)
 
                 optimizer.zero_grad(set_to_none=True)

@@ -4,6 +4,11 @@ A deterministic corpus (from the seed) of phrases drawn with Zipf-like frequenci
 phrase table, so a model can learn something (unigram statistics, then phrases) and the loss
 goes down. Sample ``i`` is the window of ``seq_len + 1`` tokens at a fixed pseudo-random
 offset; inputs are its first ``seq_len`` tokens, targets the last ``seq_len``.
+
+``PackedMockTokens``: padding-free packed rows for SFT-style training. Each row is several
+windows of random lengths laid end to end (each window its own sequence with its own next-token
+targets), with ``position_ids`` restarting at 0 where a window starts; inputs are
+``(token_ids, position_ids)``.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-__all__ = ["MockTokens"]
+__all__ = ["MockTokens", "PackedMockTokens"]
 
 
 class MockTokens(Dataset):
@@ -59,3 +64,44 @@ class MockTokens(Dataset):
     def __getitem__(self, index: int):
         x, y = self.get_batch(torch.tensor([index]))
         return x[0], y[0]
+
+
+class PackedMockTokens(MockTokens):
+    """Rows of ``seq_len`` tokens packing windows of ``min_len``..``max_len`` tokens (the last
+    window of a row is cut to fit). ``get_batch`` -> ``((ids, position_ids), targets)``; a row's
+    windows are drawn from the seed and the row's index, so any worker sees the same rows."""
+
+    def __init__(self, vocab_size, seq_len, min_len=4, max_len=None, **kwargs):
+        super().__init__(vocab_size, seq_len, **kwargs)
+        self.min_len, self.max_len = min_len, max_len or seq_len
+        if not 1 <= self.min_len <= self.max_len <= seq_len:
+            raise ValueError(
+                f"PackedMockTokens: need 1 <= min_len <= max_len <= seq_len, got {min_len}, "
+                f"{max_len}, {seq_len}"
+            )
+        self._seed = kwargs.get("seed", 0)
+
+    def lengths(self, index: int) -> list[int]:
+        """The lengths of row ``index``'s sequences (they sum to ``seq_len``)."""
+        rng = np.random.default_rng([self._seed, 11, int(index)])
+        out, left = [], self.seq_len
+        while left:
+            n = min(int(rng.integers(self.min_len, self.max_len + 1)), left)
+            out.append(n)
+            left -= n
+        return out
+
+    def get_batch(self, indices: torch.Tensor):
+        ids, positions, targets = [], [], []
+        for index in indices.tolist():
+            lengths = self.lengths(index)
+            offsets = self._offsets(torch.arange(len(lengths)) + index * self.seq_len)
+            row = [self.corpus[o : o + n + 1] for o, n in zip(offsets.tolist(), lengths)]
+            ids.append(torch.cat([w[:-1] for w in row]))
+            targets.append(torch.cat([w[1:] for w in row]))
+            positions.append(torch.cat([torch.arange(n) for n in lengths]))
+        return (torch.stack(ids), torch.stack(positions)), torch.stack(targets)
+
+    def __getitem__(self, index: int):
+        (x, p), y = self.get_batch(torch.tensor([index]))
+        return (x[0], p[0]), y[0]

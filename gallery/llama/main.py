@@ -6,7 +6,9 @@
 
 ``--model`` picks the configuration (``llama-1b``: TinyLlama-1.1B's shape, ``llama-tiny``);
 ``--kernel-opt`` builds the model on ``torchacc_ops`` (fused attention, RMSNorm, rotary, SwiGLU)
-and takes the loss with ``torchacc_ops.cross_entropy``. The loop is
+and takes the loss with ``torchacc_ops.cross_entropy``. ``--packing`` trains on padding-free
+packed rows (:class:`gallery.gpt.data.PackedMockTokens`: sequences of 4..``seq_len / 2`` tokens
+laid end to end, the model given their position ids). The loop is
 :func:`gallery.common.trainer.train`, shared with GPT-2 and ResNet-50.
 """
 
@@ -22,7 +24,7 @@ import sys  # noqa: E402
 
 from gallery.common.logger import enable_torchacc_kernel  # noqa: E402
 from gallery.common.trainer import Task, run  # noqa: E402
-from gallery.gpt.data import MockTokens  # noqa: E402
+from gallery.gpt.data import MockTokens, PackedMockTokens  # noqa: E402
 from gallery.gpt.main import lm_loss_fn  # noqa: E402
 from gallery.llama.model import CONFIGS, build_llama  # noqa: E402
 
@@ -35,9 +37,19 @@ def make_task(args: argparse.Namespace) -> Task:
             f"error: --seq_len {seq_len} is longer than {args.model}'s block size {cfg.block_size}"
         )
     kernels = enable_torchacc_kernel()
-    dataset = MockTokens(
-        cfg.vocab_size, seq_len, num_samples=args.mock_samples or (1 << 20), seed=args.seed
-    )
+    samples = args.mock_samples or (1 << 20)
+    packing = bool(getattr(args, "packing", False))
+    if packing:
+        dataset = PackedMockTokens(
+            cfg.vocab_size,
+            seq_len,
+            min_len=min(4, seq_len),
+            max_len=max(seq_len // 2, 1),
+            num_samples=samples,
+            seed=args.seed,
+        )
+    else:
+        dataset = MockTokens(cfg.vocab_size, seq_len, num_samples=samples, seed=args.seed)
     return Task(
         name=args.model,
         build_model=lambda a: build_llama(
@@ -52,7 +64,7 @@ def make_task(args: argparse.Namespace) -> Task:
             f"{args.model}: {cfg.n_layer} layers, {cfg.n_head} heads ({cfg.n_kv_head} kv), "
             f"d={cfg.n_embd}, ffn {cfg.intermediate}, vocab {cfg.vocab_size}, seq_len {seq_len}, "
             f"kernels {'torchacc_ops' if kernels else 'plain PyTorch'}, mock tokens "
-            f"({len(dataset):,} samples)"
+            f"({len(dataset):,} {'packed rows' if packing else 'samples'})"
         ),
     )
 

@@ -6,6 +6,12 @@ SwiGLU MLP, grouped-query attention, untied output head.
 same formula eagerly); ``kernels=False`` writes them in plain PyTorch, as HF transformers' LLaMA
 does. Both compute the same function. ``llama-1b`` has TinyLlama-1.1B's shape (1,100,048,384
 parameters); ``llama-tiny`` is for CPU runs and tests.
+
+Packed batches (padding-free SFT): ``model(idx, position_ids)`` with ``position_ids`` (B, T)
+restarting at 0 where each sequence of a row starts: rotary positions restart with them and a
+token attends only to earlier tokens of its own sequence, so a row of packed sequences computes
+what each sequence would alone (``torchacc_ops.flash_attention(position_ids=...)`` with
+``kernels``; the same mask for SDPA without).
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: bool) -> torch.Tensor:
-    """x (B, H, T, D); cos/sin (T, D/2)."""
+    """x (B, H, T, D); cos/sin (T, D/2), or (B, 1, T, D/2) for packed rows."""
     if kernels:
         return torchacc_ops.apply_rotary_emb(x, cos, sin)
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
@@ -89,16 +95,19 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.n_embd, kv, bias=False)
         self.o_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x, cos, sin, position_ids=None):
         b, t, c = x.shape
         q = self.q_proj(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin, self.kernels), rotary(k, cos, sin, self.kernels)
         if self.kernels:
-            y = torchacc_ops.flash_attention(q, k, v, causal=True)
-        else:
+            y = torchacc_ops.flash_attention(q, k, v, causal=True, position_ids=position_ids)
+        elif position_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            mask = _packed_causal_mask(position_ids)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, c))
 
 
@@ -124,9 +133,17 @@ class Block(nn.Module):
         self.post_attn_norm = RMSNorm(cfg.n_embd, cfg.eps, kernels)
         self.mlp = MLP(cfg, kernels)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.input_norm(x), cos, sin)
+    def forward(self, x, cos, sin, position_ids=None):
+        x = x + self.attn(self.input_norm(x), cos, sin, position_ids)
         return x + self.mlp(self.post_attn_norm(x))
+
+
+def _packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
+    """(B, 1, T, T) bool, True where query i may attend key j: same sequence and j <= i."""
+    sequence = (position_ids == 0).cumsum(-1)
+    t = position_ids.shape[-1]
+    causal = torch.ones(t, t, dtype=torch.bool, device=position_ids.device).tril()
+    return ((sequence[:, :, None] == sequence[:, None, :]) & causal).unsqueeze(1)
 
 
 class Llama(nn.Module):
@@ -150,31 +167,41 @@ class Llama(nn.Module):
 
             self.layers = ScannedLayers([_Carry(b) for b in self.layers])
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Token ids (B, T) -> logits (B, T, vocab)."""
+    def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids (B, T) -> logits (B, T, vocab); ``position_ids`` (B, T): packed rows."""
         t = idx.shape[1]
         if t > self.config.block_size:
             raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
-        cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        packed = () if position_ids is None else (position_ids,)
+        if position_ids is None:
+            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+        else:
+            if position_ids.shape != idx.shape:
+                raise ValueError(
+                    f"position_ids {tuple(position_ids.shape)} must have the shape of the token "
+                    f"ids {tuple(idx.shape)}"
+                )
+            cos, sin = self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None]
         x = self.embed(idx)
         if self.scan_layers:  # ScannedLayers: one scan on torchacc, the same loop elsewhere
-            x = self.layers(x, cos, sin)[0]
+            x = self.layers(x, cos, sin, *packed)[0]
         else:
             for layer in self.layers:
-                x = layer(x, cos, sin)
+                x = layer(x, cos, sin, *packed)
         return self.lm_head(self.norm(x))
 
 
 class _Carry(nn.Module):
     """A block as ``(x, cos, sin) -> (block(x, cos, sin), cos, sin)``: a scanned layer reads only
-    its carry and its own weights, so the rotary tables ride in the carry."""
+    its carry and its own weights, so the rotary tables (and a packed batch's position ids) ride in
+    the carry."""
 
     def __init__(self, block: Block):
         super().__init__()
         self.block = block
 
-    def forward(self, x, cos, sin):
-        return self.block(x, cos, sin), cos, sin
+    def forward(self, x, cos, sin, *packed):
+        return self.block(x, cos, sin, *packed), cos, sin, *packed
 
 
 def build_llama(name: str, kernels: bool = False, scan_layers: bool = False) -> Llama:

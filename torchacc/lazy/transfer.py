@@ -20,7 +20,37 @@ def to_cpu(t):
     """CPU copy of a LazyTensor (runs what it needs; counted as a transfer)."""
     if type(t) is not LazyTensor:
         return t
-    return execute.fetch(value_of(t), t.dtype)
+    value = value_of(t)
+    if value.node is not None and t._view is not None and t._st.value.node is None:
+        host = _view_of_computed_storage(t)
+        if host is not None:
+            return host
+    return execute.fetch(value, t.dtype)
+
+
+def _view_of_computed_storage(t):
+    """A view whose storage a sync has computed (say a gradient that is a view of a backward
+    result, read after ``mark_step``) still reads the view Value it recorded before the sync. Its
+    data is a view of data on hand: read the storage and take the view with torch on the host, so
+    the read runs no program (a compile, and a run that spoils the next known step). None where
+    the storage is not a plain contiguous array."""
+    st = t._st
+    shape, stride, dtype, offset = st.desc
+    if offset or tuple(stride) != _contiguous_strides(shape):
+        return None
+    host = execute.fetch(st.value, dtype)
+    for func, rest, kwargs, index, _ in t._view:
+        out = func(host, *rest, **kwargs)
+        host = out[index] if isinstance(out, (tuple, list)) else out
+    return host.clone()
+
+
+def _contiguous_strides(shape):
+    strides, step = [], 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= max(n, 1)
+    return tuple(reversed(strides))
 
 
 def deepcopy(t, memo):
