@@ -27,7 +27,9 @@ def test_notebook_matches_its_builder():
         "resnet50.ipynb is stale: run python -m gallery.resnet50.make_notebook"
     )
     tags = [c.metadata["tags"][0] for c in on_disk.cells]
-    assert {"setup", "prepare", "baseline", "torchacc", "compare", "curves"} <= set(tags)
+    assert {"setup", "prepare", "baseline", "torchacc", "compare", "curves", "accelerate"} <= set(
+        tags
+    )
 
 
 def readme_notebook_command() -> str:
@@ -73,6 +75,10 @@ def test_notebook_executes(tmp_path):
     if RUN_COMPILER_CELLS:
         assert "[summary] resnet-tiny torchacc x1" in text["torchacc"]
         assert "torchacc_1p" in text["compare"]
+    # accelerate(): the LLaMA page's side-by-side table, both backends
+    table = text["accelerate"]
+    assert "| backend | step ms (median) | programs |" in table
+    assert "| eager |" in table and "| lazy |" in table
     # the curves of both runs, read back from their TensorBoard event files (4 steps each)
     pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install .[test])")
     runs = ["baseline_1p", "torchacc_1p"] if RUN_COMPILER_CELLS else ["baseline_1p"]

@@ -2,8 +2,10 @@
 
     python -m gallery.resnet50.make_notebook          # rewrites gallery/resnet50/resnet50.ipynb
 
-The notebook's cells carry tags: ``setup``, ``prepare``, ``baseline``, ``torchacc``, ``compare``
-and ``curves`` (the runs' TensorBoard scalars, read back from their event files).
+The notebook's cells carry tags: ``setup``, ``prepare``, ``baseline``, ``torchacc``, ``compare``,
+``curves`` (the runs' TensorBoard scalars, read back from their event files) and ``accelerate``
+(TorchAcc's ``ta.accelerate`` front door: the LLaMA gallery model on variable-length batches with
+bucketing, eager and lazy side by side).
 """
 
 from __future__ import annotations
@@ -200,6 +202,33 @@ else:
     fig.tight_layout()
     plt.show()"""
 
+ACCELERATE_MD = """\
+## 6. TorchAcc's `accelerate()` on variable-length batches (LLaMA)
+
+LLM fine-tuning scripts use TorchAcc's one-call front door: `model, loader =
+ta.accelerate(model, loader, config)`, no `.to(device)` and no `mark_step`. Batches of an SFT
+data set have a different length each; `config.dataloader.buckets` pads each batch up to the
+smallest bucket that holds it (labels with -100, ignored by the loss), so the lazy device compiles
+one program per bucket instead of one per length. `gallery/accelerate/main.py` trains the LLaMA
+gallery model on such batches with `backend='eager'` and `backend='lazy'` from the same weights
+and prints both side by side: median step time, programs compiled, losses (equal up to rounding).
+
+```bash
+python -m gallery.accelerate.main --model llama-tiny --steps 20 --buckets 16,32,64
+python -m gallery.accelerate.main --model llama-1b --bf16 --gc --buckets 512,1024,2048 \\
+    --max-len 2048 --batch 4 --steps 50        # on a GPU
+```"""
+
+ACCELERATE = """\
+if TINY:
+    flags = ["--model=llama-tiny", "--steps=4", "--warmup=1", "--buckets=16,64", "--max-len=64"]
+elif NUM_GPUS:
+    flags = ["--model=llama-1b", "--bf16", "--gc", "--buckets=512,1024,2048", "--max-len=2048"]
+    flags += ["--batch=4", "--steps=50"]
+else:
+    flags = ["--model=llama-tiny", "--steps=20", "--buckets=16,32,64"]
+run([sys.executable, "-m", "gallery.accelerate.main", *flags])"""
+
 
 def build() -> nbformat.NotebookNode:
     nb = new_notebook()
@@ -229,6 +258,8 @@ def build() -> nbformat.NotebookNode:
         code(COMPARE, "compare"),
         md(CURVES_MD, "curves"),
         code(CURVES, "curves"),
+        md(ACCELERATE_MD, "accelerate"),
+        code(ACCELERATE, "accelerate"),
     ]
     for i, cell in enumerate(nb.cells):  # stable ids keep the file diff-friendly
         cell["id"] = f"cell-{i:02d}-{cell.metadata['tags'][0]}"
