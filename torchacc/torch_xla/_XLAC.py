@@ -126,29 +126,38 @@ def _values(tensors):
 def _get_xla_tensors_text(tensors):
     """The pending graph computing ``tensors`` in torch_xla's IR text form: one line per data
     input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
-    aten::add.Tensor(%0, %1)``), then the roots."""
+    aten::add.Tensor(%0, %1)``), in the device's dtypes (Note [Device dtypes]); the line of the
+    i-th tensor's value ends with ``, ROOT=i``."""
     from torchacc import program as compiler
 
     values = _values(tensors)
     pending = [v for v in values if v.node is not None]
     lines = ["IR {"]
-    names = {}
+    names, where = {}, {}
+    n = 0
     if pending:
         graph = compiler.Graph(pending)
-        for i, v in enumerate(graph.inputs):
-            names[id(v)] = f"%{i}"
-            lines.append(f"  %{i} = {_desc_text(v.desc)} xla::device_data()")
-        n = len(graph.inputs)
+        for v in graph.inputs:
+            names[id(v)] = f"%{n}"
+            where[id(v)] = len(lines)
+            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
+            n += 1
         for node in graph.order:
             args = ", ".join(_ref(v, names) for v in node.inputs)
             names[id(node)] = f"%{n}"
+            where[id(node)] = len(lines)
             outs = [_desc_text(d) for d in node.op.descs if d is not None]
             outs = outs[0] if len(outs) == 1 else f"({', '.join(outs)})"
             lines.append(f"  %{n} = {outs} {_op_text(node.op.rule.name)}({args})")
             n += 1
     for i, v in enumerate(values):
-        where = "xla::device_data()" if v.node is None else _ref(v, names)
-        lines.append(f"  ROOT {i} = {where}")
+        key = id(v) if v.node is None else id(v.node)
+        if key not in where:  # a computed tensor: a data input of no pending graph
+            names[key] = f"%{n}"
+            where[key] = len(lines)
+            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
+            n += 1
+        lines[where[key]] += f", ROOT={i}"
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -171,7 +180,9 @@ _SHORT_DTYPES = {
     torch.int16: "s16",
     torch.int8: "s8",
     torch.uint8: "u8",
+    torch.uint16: "u16",
     torch.uint32: "u32",
+    torch.uint64: "u64",
     torch.bool: "pred",
     torch.complex64: "c64",
     torch.complex128: "c128",
@@ -179,7 +190,11 @@ _SHORT_DTYPES = {
 
 
 def _desc_text(desc):
+    from torchacc.lowering.dtypes import TORCH_TO_JAX, stored_dtype
+
     shape, dtype = desc[0], desc[2]
+    if dtype in TORCH_TO_JAX:
+        dtype = stored_dtype(dtype)  # what the device holds (Note [Device dtypes])
     name = _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
     return f"{name}[{','.join(map(str, shape))}]"
 
