@@ -4,6 +4,8 @@ Note [The xla device string] (torchacc/torch_xla/_xla_device.py); the counters a
 torchacc/lazy/op_counters.py's.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -144,3 +146,41 @@ def test_uninstall_restores_torch_and_install_again_maps():
     finally:
         _xla_device.install()
     assert torch.ones(1).to("xla").device == torchacc.device()
+
+
+def test_torch_autocast_xla_is_torchacc_autocast():
+    """``torch.autocast('xla')`` (torch would turn on AutocastXLA, which torchacc tensors do not
+    carry) means torchacc's autocast: same dtypes and values as ``torch.autocast('torchacc')``;
+    other device types pass through."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4).to(torchacc.device())
+    x = torch.randn(3, 6).to(torchacc.device())
+    with torch.autocast("xla"):
+        y = lin(x)
+        s = torch.softmax(y, dim=1)  # an fp32-policy op
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        want = lin(x)
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(y.cpu(), want.cpu())
+    with torch.amp.autocast(device_type="xla", dtype=torch.float16) as ctx:
+        assert ctx.device == "torchacc" and lin(x).dtype == torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16) as ctx:
+        assert ctx.device == "cpu" and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == (
+            torch.bfloat16
+        )
+
+
+def test_hlo_text_has_operand_shapes_and_opcode_names():
+    """``_get_xla_tensors_hlo`` prints torch_xla's form: instructions named after their opcode,
+    operands with their shapes (scripts and torch_xla's tests match lines with regexes)."""
+    from torchacc.torch_xla import _XLAC
+
+    a = torch.ones(3).to(torchacc.device())
+    hlo = _XLAC._get_xla_tensors_hlo([(a * 2).exp()])
+    line = next(ln for ln in hlo.splitlines() if " exponential(" in ln)
+    assert re.fullmatch(
+        r"\s+ROOT %exponential\.1 = f32\[3\]\{0\} exponential\(f32\[3\]\{0\} %multiply\.1\)", line
+    ), hlo
+    assert "metadata=" not in hlo

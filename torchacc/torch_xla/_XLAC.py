@@ -17,6 +17,7 @@ holds; ``_set_ir_debug``). Any other name raises an error that is both ``NotImpl
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 
@@ -220,7 +221,43 @@ def _get_xla_tensors_hlo(tensors):
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
     args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical (padded)
-    return jax.jit(program_of(graph)).lower(*args).as_text(dialect="hlo")
+    module = jax.jit(program_of(graph)).lower(*args).compiler_ir(dialect="hlo").get_hlo_module()
+    return _names_by_opcode(module.to_string(_hlo_print_options()))
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = .*? ([a-z][a-z0-9-]*)\(", re.M)
+_NAME = re.compile(r"%([^\s,()={}]+)")
+_SIGNATURE = re.compile(r"^((?:ENTRY )?%\S+ )(\(.*\) -> )", re.M)
+_PARAM = re.compile(r"([^\s,():]+):")
+
+
+def _names_by_opcode(text):
+    """Rename each instruction after its opcode (``%exponential.3``), as torch_xla's HLO (built
+    by XlaBuilder) names them; JAX names them after its primitives (``%exp.1``)."""
+    renames, counts = {}, {}
+    for m in _DEFINITION.finditer(text):
+        opcode = m.group(2)
+        counts[opcode] = counts.get(opcode, 0) + 1
+        renames[m.group(1)] = f"{opcode}.{counts[opcode]}"
+    text = _SIGNATURE.sub(
+        lambda m: (
+            m.group(1) + _PARAM.sub(lambda p: renames.get(p.group(1), p.group(1)) + ":", m.group(2))
+        ),
+        text,
+    )
+    return _NAME.sub(lambda m: "%" + renames.get(m.group(1), m.group(1)), text)
+
+
+def _hlo_print_options():
+    """torch_xla's HLO text form: ``%name = f32[2]{0} add(f32[2]{0} %a, f32[2]{0} %b)``
+    (operand shapes and ``%`` names; no source metadata)."""
+    from jaxlib import _hlo
+
+    options = _hlo.HloPrintOptions()
+    options.print_operand_shape = True
+    options.print_percent = True
+    options.print_metadata = False
+    return options
 
 
 # --- RNG and precision -------------------------------------------------------------------------
