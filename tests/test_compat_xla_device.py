@@ -4,6 +4,7 @@ Note [The xla device string] (torchacc/torch_xla/_xla_device.py); the counters a
 torchacc/lazy/op_counters.py's.
 """
 
+import functools
 import re
 
 import pytest
@@ -184,3 +185,25 @@ def test_hlo_text_has_operand_shapes_and_opcode_names():
         r"\s+ROOT %exponential\.1 = f32\[3\]\{0\} exponential\(f32\[3\]\{0\} %multiply\.1\)", line
     ), hlo
     assert "metadata=" not in hlo
+
+
+def test_device_named_xla_makes_device_comparisons_hold():
+    """``TORCHACC_DEVICE_TYPE=xla`` (fresh process: the name is fixed per process) names the
+    device ``xla``: ``t.device == torch.device('xla', 0)``, training as in eager, autocast('xla');
+    a bad name is one clear error."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, cwd=repo)
+    case = os.path.join(repo, "tests", "xla_device_name_case.py")
+    proc = run([sys.executable, case], env=dict(os.environ, TORCHACC_DEVICE_TYPE="xla"))
+    assert proc.returncode == 0 and "xla device name ok" in proc.stdout, proc.stderr[-4000:]
+    bad = run(
+        [sys.executable, "-c", "import torchacc"], env=dict(os.environ, TORCHACC_DEVICE_TYPE="tpu")
+    )
+    assert bad.returncode != 0
+    assert "TORCHACC_DEVICE_TYPE='tpu': the torchacc device can be named torchacc or xla" in (
+        bad.stderr
+    )

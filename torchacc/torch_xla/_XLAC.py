@@ -22,6 +22,7 @@ import re
 import torch
 
 import torchacc
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
 
@@ -106,7 +107,7 @@ _ID_ATTR = "_torchacc_xla_tensor_id"
 
 def _xla_get_tensor_id(tensor):
     """A unique id for ``tensor`` (stable for its lifetime)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "torchacc":
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != DEVICE_TYPE:
         raise RuntimeError(f"_xla_get_tensor_id: expected a torchacc tensor, got {tensor!r}")
     tid = getattr(tensor, _ID_ATTR, None)
     if tid is None:
@@ -119,7 +120,7 @@ def _values(tensors):
     from torchacc.lazy.record import value_of
 
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "torchacc":
+        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
             raise RuntimeError(f"expected torchacc tensors, got {type(t).__name__} on {t.device}")
     return [value_of(t) for t in tensors]
 

@@ -14,6 +14,7 @@ import torch
 
 import torchacc
 from torchacc.lazy import factories
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lowering import RULES
 
 # Note [The xla device string]
@@ -64,7 +65,7 @@ def resolve(spec):
             raise ValueError(f"device {shown}: not a device; devices here: {_available()}") from e
     else:
         raise TypeError(f"device {shown}: expected a str, torch.device or int")
-    if dev.type not in (_XLA, "torchacc"):
+    if dev.type not in (_XLA, "torchacc", DEVICE_TYPE):
         raise ValueError(f"device {shown}: not an XLA device; devices here: {_available()}")
     if dev.index not in (None, 0):
         raise ValueError(
