@@ -207,3 +207,27 @@ def test_device_named_xla_makes_device_comparisons_hold():
     assert "TORCHACC_DEVICE_TYPE='tpu': the torchacc device can be named torchacc or xla" in (
         bad.stderr
     )
+
+
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["python", "-m", "torchacc.run_torch_xla", "train.py"], "xla"),
+        (["python", "-u", "-W", "ignore", "-mtorchacc.run_torch_xla", "-m", "pkg"], "xla"),
+        (
+            ["python", "-m", "torch.distributed.run", "-m", "torchacc.run_torch_xla", "t.py"],
+            "torchacc",
+        ),
+        (["python", "train.py", "-m", "torchacc.run_torch_xla"], "torchacc"),
+        (["python", "-c", "import torchacc"], "torchacc"),
+    ],
+)
+def test_run_torch_xla_processes_name_the_device_xla(monkeypatch, argv, name):
+    """Note [The device's name]: the interpreter's own ``-m torchacc.run_torch_xla`` (torchrun's
+    workers are started that way; its agent process is not) names the device ``xla``."""
+    import sys
+
+    from torchacc.lazy import device as device_mod
+
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert device_mod._default_type() == name

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import sys
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -16,8 +17,10 @@ from torchacc.runtime import device as _runtime_device
 
 # Note [The device's name]
 # torchacc's tensors live on PrivateUse1, which torch lets a backend rename once per process.
-# Its name is ``torchacc`` unless ``TORCHACC_DEVICE_TYPE=xla`` asks for ``xla`` (read at import):
-# then tensors report ``xla:0`` and ``torch.device("xla")`` itself parses to this device, so
+# Its name is ``xla`` in processes started by ``python -m torchacc.run_torch_xla`` and where
+# ``TORCHACC_DEVICE_TYPE=xla`` asks for it, else ``torchacc`` (``TORCHACC_DEVICE_TYPE=torchacc``
+# keeps it in run_torch_xla; fixed when torchacc is first imported). Named ``xla``, tensors
+# report ``xla:0`` and ``torch.device("xla")`` itself parses to this device, so
 # unchanged torch_xla scripts' ``t.device == torch.device("xla", 0)`` / ``t.device.type ==
 # "xla"`` hold, and ``device="xla"`` needs no mapping. torch's built-in ``XLA`` device type is
 # then unreachable by name in the process (torch_xla is not installed beside torchacc anyway),
@@ -26,7 +29,24 @@ from torchacc.runtime import device as _runtime_device
 # already exist for ``xla``, so they are not generated; ``Tensor.is_xla`` stays False (it asks
 # for torch's XLA key). Every check of "is this a torchacc tensor" compares with DEVICE_TYPE.
 _DEVICE_TYPES = ("torchacc", "xla")
-DEVICE_TYPE = os.environ.get("TORCHACC_DEVICE_TYPE", "").strip() or "torchacc"
+
+
+def _default_type():
+    """``xla`` when this process runs ``python -m torchacc.run_torch_xla`` (torchacc is imported
+    before that module runs, so the command line is read), else ``torchacc``."""
+    args = iter(list(getattr(sys, "orig_argv", ()))[1:])
+    for arg in args:  # the interpreter's options, up to the module, script or -c
+        if arg in ("-W", "-X"):
+            next(args, None)
+        elif arg.startswith("-m"):
+            module = arg[2:] or next(args, "")
+            return "xla" if module == "torchacc.run_torch_xla" else "torchacc"
+        elif arg.startswith("-c") or not arg.startswith("-"):
+            break
+    return "torchacc"
+
+
+DEVICE_TYPE = os.environ.get("TORCHACC_DEVICE_TYPE", "").strip() or _default_type()
 if DEVICE_TYPE not in _DEVICE_TYPES:
     raise ValueError(
         f"TORCHACC_DEVICE_TYPE={DEVICE_TYPE!r}: the torchacc device can be named "
