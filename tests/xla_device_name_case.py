@@ -17,6 +17,17 @@ assert dev == torch.device("xla", 0) == torch_xla.device() == xm.xla_device(), d
 x = torch.tensor([1.0, -2.0, 3.0], device="xla")
 assert x.device == torch.device("xla:0") and x.device.type == "xla" and xm.is_xla_tensor(x)
 assert torch.zeros(2, device=torch.device("xla")).device == dev
+for make in (
+    lambda: torch.zeros(2, device="xla:3"),
+    lambda: torch.empty(2, device=torch.device("xla", 1)),
+    lambda: torch.tensor([1.0], device="xla:3"),
+    lambda: x.to("xla:2"),
+):
+    try:
+        make()
+        raise AssertionError("another device index was accepted")
+    except ValueError as e:
+        assert "no such device" in str(e) and "'xla:0'" in str(e), e
 assert repr(x) == "tensor([ 1., -2.,  3.], device='xla:0')", repr(x)
 assert "xla::device_data()" in _XLAC._get_xla_tensors_text([x * 2])
 # deepcopy stays on the device; torch.save stores the CPU value (torchacc's rule, as xm.save)

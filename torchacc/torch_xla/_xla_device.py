@@ -47,7 +47,8 @@ _XLA = "xla"
 
 
 def _available():
-    return "'xla', 'xla:0', torch.device('xla', 0) or 'torchacc:0' (this process has one device)"
+    also = "" if DEVICE_TYPE == _XLA else f" or '{DEVICE_TYPE}:0'"
+    return f"'xla', 'xla:0', torch.device('xla', 0){also} (this process has one device)"
 
 
 def resolve(spec):
