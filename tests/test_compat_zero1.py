@@ -119,6 +119,8 @@ def test_state_dict_round_trip_resumes_the_same_run():
 def test_bad_input_names_the_problem():
     with pytest.raises(ValueError, match="torchacc device"):
         ZeroRedundancyOptimizer(nn.Linear(2, 2).parameters(), torch.optim.SGD, lr=0.1)
+    with pytest.raises(ValueError, match="0-dim parameters"):
+        ZeroRedundancyOptimizer([nn.Parameter(torch.zeros((), device=DEV))], torch.optim.SGD)
     params = nn.Linear(2, 2).to(DEV).parameters()
     with pytest.raises(ValueError, match=r"rank 0 is in none of the sharding_groups \[\[1\]\]"):
         ZeroRedundancyOptimizer(params, torch.optim.SGD, lr=0.1, sharding_groups=[[1]])

@@ -141,6 +141,12 @@ class ZeroRedundancyOptimizer(Optimizer):
                 "(move the model there before building the optimizer); found "
                 f"{sorted(map(str, devices))}"
             )
+        scalars = [tuple(p.shape) for p in params if p.dim() == 0]
+        if scalars:
+            raise ValueError(
+                "ZeroRedundancyOptimizer: parameters are sliced along dim 0, so 0-dim parameters "
+                f"cannot be sharded ({len(scalars)} found); give them to another optimizer"
+            )
         self.device = params[0].device
         groups = []
         with torch.no_grad():
