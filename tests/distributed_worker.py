@@ -449,6 +449,57 @@ def scenario_train(args):
 
 
 # --------------------------------------------------------------------------------------------
+# ZeRO-1 (torch_xla.distributed.zero_redundancy_optimizer)
+
+
+def scenario_zero1(args):
+    """ZeroRedundancyOptimizer(AdamW) with global-norm clipping on W ranks, each on its rows of
+    one global batch, against eager AdamW + clip_grad_norm_ on the whole batch on the CPU. The
+    first layer's dim 0 (5) does not divide by W = 2, so its slices are padded."""
+    from torchacc.torch_xla.distributed.zero_redundancy_optimizer import ZeroRedundancyOptimizer
+
+    W, r = runtime.world_size(), runtime.rank()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4))
+    model = nn.Sequential(nn.Linear(8, 5), nn.Tanh(), nn.Linear(5, 4)).to(DEV)
+    model.load_state_dict(ref.state_dict())
+    opt = ZeroRedundancyOptimizer(
+        model.parameters(),
+        torch.optim.AdamW,
+        lr=1e-2,
+        weight_decay=0.1,
+        max_norm=0.05,
+        save_master_weights=True,
+    )
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.1)
+    # this rank's slices: dim 0 padded to a multiple of W, then split
+    w0 = opt.base_optimizer.param_groups[0]["params"][0]
+    assert tuple(w0.shape) == (-(-5 // W), 8), w0.shape
+    norms = []
+    for step in range(3):
+        x, y = batch_for(step, 2 * W)
+        rows = slice(2 * r, 2 * r + 2)
+        nn.functional.mse_loss(model(x[rows].to(DEV)), y[rows].to(DEV)).backward()
+        opt.step()
+        opt.zero_grad()
+        torchacc.sync()
+        ref_opt.zero_grad()
+        nn.functional.mse_loss(ref(x), y).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)))
+        ref_opt.step()
+        close(opt.grad_norm, torch.tensor(norms[-1]), f"grad norm at step {step}", rtol=1e-5)
+    for (name, got), want in zip(model.state_dict().items(), ref.state_dict().values()):
+        close(got, want, f"ZeRO-1 parameter {name}", rtol=1e-5, atol=1e-6)
+    state = opt.state_dict()
+    exp_avg = state["base_state"][0]["exp_avg"]
+    assert tuple(exp_avg.shape) == tuple(w0.shape), "optimizer state is per slice"
+    assert norms[0] > 0.05, "the clipping was exercised"
+    write(args.out, "zero1", {"world": W, "checks": ["slices", "grad_norm", "params", "state"]})
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
 # failure
 
 
@@ -475,7 +526,7 @@ def scenario_fail(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["collectives", "train", "fail"])
+    p.add_argument("scenario", choices=["collectives", "train", "fail", "zero1"])
     p.add_argument("out")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
@@ -483,9 +534,12 @@ def main():
     p.add_argument("--idle", action="store_true")
     p.add_argument("--victim", type=int, default=1)
     args = p.parse_args()
-    {"collectives": scenario_collectives, "train": scenario_train, "fail": scenario_fail}[
-        args.scenario
-    ](args)
+    {
+        "collectives": scenario_collectives,
+        "train": scenario_train,
+        "fail": scenario_fail,
+        "zero1": scenario_zero1,
+    }[args.scenario](args)
 
 
 if __name__ == "__main__":

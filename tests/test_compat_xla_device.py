@@ -4,6 +4,9 @@ Note [The xla device string] (torchacc/torch_xla/_xla_device.py); the counters a
 torchacc/lazy/op_counters.py's.
 """
 
+import functools
+import re
+
 import pytest
 import torch
 
@@ -144,3 +147,87 @@ def test_uninstall_restores_torch_and_install_again_maps():
     finally:
         _xla_device.install()
     assert torch.ones(1).to("xla").device == torchacc.device()
+
+
+def test_torch_autocast_xla_is_torchacc_autocast():
+    """``torch.autocast('xla')`` (torch would turn on AutocastXLA, which torchacc tensors do not
+    carry) means torchacc's autocast: same dtypes and values as ``torch.autocast('torchacc')``;
+    other device types pass through."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    lin = nn.Linear(6, 4).to(torchacc.device())
+    x = torch.randn(3, 6).to(torchacc.device())
+    with torch.autocast("xla"):
+        y = lin(x)
+        s = torch.softmax(y, dim=1)  # an fp32-policy op
+    with torch.autocast("torchacc", dtype=torch.bfloat16):
+        want = lin(x)
+    assert y.dtype == torch.bfloat16 and s.dtype == torch.float32
+    assert torch.equal(y.cpu(), want.cpu())
+    with torch.amp.autocast(device_type="xla", dtype=torch.float16) as ctx:
+        assert ctx.device == "torchacc" and lin(x).dtype == torch.float16
+    with torch.autocast("cpu", dtype=torch.bfloat16) as ctx:
+        assert ctx.device == "cpu" and torch.mm(torch.ones(2, 2), torch.ones(2, 2)).dtype == (
+            torch.bfloat16
+        )
+
+
+def test_hlo_text_has_operand_shapes_and_opcode_names():
+    """``_get_xla_tensors_hlo`` prints torch_xla's form: instructions named after their opcode,
+    operands with their shapes (scripts and torch_xla's tests match lines with regexes)."""
+    from torchacc.torch_xla import _XLAC
+
+    a = torch.ones(3).to(torchacc.device())
+    hlo = _XLAC._get_xla_tensors_hlo([(a * 2).exp()])
+    line = next(ln for ln in hlo.splitlines() if " exponential(" in ln)
+    assert re.fullmatch(
+        r"\s+ROOT %exponential\.1 = f32\[3\]\{0\} exponential\(f32\[3\]\{0\} %multiply\.1\)", line
+    ), hlo
+    assert "metadata=" not in hlo
+
+
+def test_device_named_xla_makes_device_comparisons_hold():
+    """``TORCHACC_DEVICE_TYPE=xla`` (fresh process: the name is fixed per process) names the
+    device ``xla``: ``t.device == torch.device('xla', 0)``, training as in eager, autocast('xla');
+    a bad name is one clear error."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    run = functools.partial(subprocess.run, capture_output=True, text=True, timeout=300, cwd=repo)
+    case = os.path.join(repo, "tests", "xla_device_name_case.py")
+    proc = run([sys.executable, case], env=dict(os.environ, TORCHACC_DEVICE_TYPE="xla"))
+    assert proc.returncode == 0 and "xla device name ok" in proc.stdout, proc.stderr[-4000:]
+    bad = run(
+        [sys.executable, "-c", "import torchacc"], env=dict(os.environ, TORCHACC_DEVICE_TYPE="tpu")
+    )
+    assert bad.returncode != 0
+    assert "TORCHACC_DEVICE_TYPE='tpu': the torchacc device can be named torchacc or xla" in (
+        bad.stderr
+    )
+
+
+@pytest.mark.parametrize(
+    "argv, name",
+    [
+        (["python", "-m", "torchacc.run_torch_xla", "train.py"], "xla"),
+        (["python", "-u", "-W", "ignore", "-mtorchacc.run_torch_xla", "-m", "pkg"], "xla"),
+        (
+            ["python", "-m", "torch.distributed.run", "-m", "torchacc.run_torch_xla", "t.py"],
+            "torchacc",
+        ),
+        (["python", "train.py", "-m", "torchacc.run_torch_xla"], "torchacc"),
+        (["python", "-c", "import torchacc"], "torchacc"),
+    ],
+)
+def test_run_torch_xla_processes_name_the_device_xla(monkeypatch, argv, name):
+    """Note [The device's name]: the interpreter's own ``-m torchacc.run_torch_xla`` (torchrun's
+    workers are started that way; its agent process is not) names the device ``xla``."""
+    import sys
+
+    from torchacc.lazy import device as device_mod
+
+    monkeypatch.setattr(sys, "orig_argv", argv)
+    assert device_mod._default_type() == name

@@ -60,7 +60,7 @@ def test_trainer_on_torchacc_matches_eager(runs, model):
     ours = json.loads((acc / model / "results.json").read_text())
     ref = json.loads((eager / model / "results.json").read_text())
     cmp = json.loads((eager / model / "compare.json").read_text())
-    assert ours["device"] == "torchacc:0" and ref["device"] == "cpu"
+    assert ours["device"] == "xla:0" and ref["device"] == "cpu"  # run_torch_xla names it xla
     assert len(ours["losses"]) == len(ref["losses"]) == STEPS
     assert cmp["max_loss_diff"] <= 2e-3, (ours["losses"], ref["losses"])
     assert abs(ours["eval_loss"] - ref["eval_loss"]) <= 2e-3

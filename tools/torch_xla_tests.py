@@ -7,7 +7,8 @@
 The checkout is a pytorch/xla source tree fetched by the developer (not part of torchacc, not in
 CI); the number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
 top-level ``test/test_*.py`` (torch_xla's ``test_mp_*`` scripts included) runs in a fresh process
-through the alias (``python -m torchacc.run_torch_xla FILE``), one at a time, with torch_xla's own
+through the alias (``python -m torchacc.run_torch_xla FILE``, so the device is named ``xla``:
+Note [The device's name]), one at a time, with torch_xla's own
 one-device CPU environment (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=1``, ``TORCH_TEST_DEVICES`` =
 its ``pytorch_test_base.py``, ``PYTORCH_TEST_WITH_SLOW=1``, as its ``run_tests.sh`` sets them) and
 a per-file time limit.

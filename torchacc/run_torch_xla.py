@@ -8,6 +8,8 @@
 Installs :mod:`torchacc.alias` (so ``import torch_xla...`` resolves to ``torchacc.torch_xla...``)
 and runs the script as ``__main__`` with ``sys.argv`` set as if it had been started directly.
 Works under torchrun too: ``torchrun --nproc_per_node=2 -m torchacc.run_torch_xla train.py``.
+The device is named ``xla`` here, so tensors report ``xla:0`` as under torch_xla
+(``TORCHACC_DEVICE_TYPE=torchacc`` keeps ``torchacc:0``; Note [The device's name]).
 """
 
 from __future__ import annotations
@@ -25,7 +27,10 @@ def main(argv=None):
         print(USAGE, file=sys.stderr if not argv else sys.stdout)
         return 2 if not argv else 0
     from torchacc import alias
+    from torchacc.lazy.device import DEVICE_TYPE
 
+    # child processes (multiprocessing spawn) name the device as this one does
+    os.environ.setdefault("TORCHACC_DEVICE_TYPE", DEVICE_TYPE)
     alias.install()
     if argv[0] == "-m":
         if len(argv) < 2:

@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torchacc.accel.checkpoint import apply_gc
 from torchacc.accel.config import Config
 from torchacc.accel.loader import AsyncLoader
+from torchacc.lazy.device import DEVICE_TYPE
 
 
 def mark_dynamic(*args, **kwargs):
@@ -173,7 +174,7 @@ def _lazy_sharded(model, sizes):
 
     def split_batch(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
-            if isinstance(t, torch.Tensor) and t.device.type == "torchacc" and t.dim() > 0:
+            if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
                 zero.shard_batch(t, mesh, ("dp", "fsdp"))
         return None
 
@@ -251,7 +252,7 @@ def accelerate(model, dataloader=None, config=None):
     dtype = torch.bfloat16 if compute.bf16 else torch.float16 if compute.fp16 else None
     if dtype is not None or compute.acc_scaled_dot_attn:
         # before DDP/FSDP wrap it: they call the module's own forward
-        autocast_device = "torchacc" if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
+        autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
     model, device = _lazy(model, sizes, spmd) if lazy else _eager(model, config, sizes)
     if not hasattr(model, "device"):  # a Hugging Face model has its own property

@@ -28,12 +28,13 @@ import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
 from torchacc.lazy import random as _device_random
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.mutation import assign
 from torchacc.lazy.record import fresh, record_values
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import custom_ops
 
-_AUTOCAST_DEVICES = ("torchacc", "cpu")
+_AUTOCAST_DEVICES = (DEVICE_TYPE, "cpu")
 _NEEDS_GRAD = torch.zeros((), requires_grad=True)
 
 

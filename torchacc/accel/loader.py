@@ -47,6 +47,7 @@ import torch
 import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
+from torchacc.lazy.device import DEVICE_TYPE
 
 _END = object()
 
@@ -303,7 +304,7 @@ class AsyncLoader:
         return batch if self.bucketing is None else self.bucketing(batch)
 
     def __iter__(self):
-        if self.device.type in ("torchacc", "xla"):
+        if self.device.type in (DEVICE_TYPE, "xla"):
             return _Epoch(self._loader, self._transform, self._prefetch)
         return (_to_device(self._transform(b), self.device) for b in self._loader)
 

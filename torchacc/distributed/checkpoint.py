@@ -74,6 +74,7 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from torchacc.distributed.checkpoint_metadata import SafeFileSystemReader
+from torchacc.lazy.device import DEVICE_TYPE
 
 __all__ = [
     "SPMDLoadPlanner",
@@ -90,7 +91,7 @@ __all__ = [
 
 
 def _on_device(x):
-    return isinstance(x, torch.Tensor) and x.device.type == "torchacc"
+    return isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE
 
 
 def _block(index, padded, shape):

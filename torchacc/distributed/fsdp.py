@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from torchacc.distributed import sharding as engine
+from torchacc.lazy.device import DEVICE_TYPE
 
 
 def parameter_spec(shape, axis="fsdp"):
@@ -38,7 +39,7 @@ def shard_parameters(module, jmesh, axis="fsdp"):
 
 def shard_batch(t, jmesh, batch_axes):
     """Constrain tensor ``t`` to be split by batch (dim 0) over ``batch_axes``."""
-    if isinstance(t, torch.Tensor) and t.device.type == "torchacc" and t.dim() > 0:
+    if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
         spec = batch_spec(t.dim(), batch_axes)
         engine.mark(t, engine.named_sharding(jmesh, spec, tuple(t.shape), "fsdp output"))
     return t

@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.program import sharding as program_sharding
 from torchacc.runtime import mesh as runtime_mesh
 
@@ -128,7 +129,7 @@ def named_sharding(jmesh, partition_spec, shape, call="mark_sharding"):
 
 
 def _check_device(t, call):
-    if not isinstance(t, torch.Tensor) or t.device.type != "torchacc":
+    if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
         where = t.device if isinstance(t, torch.Tensor) else type(t).__name__
         raise ValueError(f"{call}: expects a tensor on the torchacc device, got one on {where}")
     if not runtime_mesh.is_spmd():
@@ -210,7 +211,7 @@ def sharding_of(t):
     """The ``NamedSharding`` of ``t``'s data (its annotation while it is pending), or None."""
     from torchacc.lazy.record import value_of
 
-    if not isinstance(t, torch.Tensor) or t.device.type != "torchacc":
+    if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
         return None
     value = value_of(t)
     if value.node is None and isinstance(value.buf, jax.Array):
@@ -278,7 +279,7 @@ def per_device_bytes(tensors):
 
     arrays = []
     for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "torchacc":
+        if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE:
             value = value_of(t)
             arrays.append(value.buf if value.node is None else None)
     return _shard_bytes(arrays)

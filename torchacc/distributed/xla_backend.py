@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from torchacc.distributed import collectives
 from torchacc.engine import execute
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.record import value_of
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy.transfer import to_device as _upload
@@ -339,7 +340,7 @@ def _register():
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(
-        BACKEND_NAME, _create_process_group, extended_api=True, devices=["torchacc", "cpu"]
+        BACKEND_NAME, _create_process_group, extended_api=True, devices=[DEVICE_TYPE, "cpu"]
     )
 
 

@@ -11,6 +11,7 @@ import torch
 
 from torchacc import metrics
 from torchacc.ir import Value, contiguous_desc
+from torchacc.lowering.dtypes import TORCH_TO_JAX, stored_dtype
 from torchacc.runtime import mesh
 from torchacc.runtime.device import jax_device
 
@@ -42,12 +43,15 @@ def _numpy_of(t):
 def upload(host):
     """A data Value on the device with a copy of the CPU tensor ``host``."""
     host = host.detach().contiguous()
+    dtype = host.dtype
     start = time.perf_counter()
+    stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype  # Note [Device dtypes]
+    data = host if stored is dtype else host.to(stored)
     # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
-    array = put(np.array(_numpy_of(host), copy=True))
+    array = put(np.array(_numpy_of(data), copy=True))
     metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferToDevice")
-    return Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
+    return Value(contiguous_desc(tuple(host.shape), dtype), array=array)
 
 
 def read(array, dtype):
@@ -58,6 +62,7 @@ def read(array, dtype):
     metrics.counter_inc("TransferFromDevice")
     bits = _FROM_ML.get(host.dtype)
     if bits is not None:
-        return torch.from_numpy(host.view(bits[0])).view(bits[1])
-    out = torch.from_numpy(host)
+        out = torch.from_numpy(host.view(bits[0])).view(bits[1])
+    else:
+        out = torch.from_numpy(host)
     return out if out.dtype == dtype else out.to(dtype)

@@ -6,6 +6,8 @@ Which JAX device computes is torchacc/runtime/device.py's (Note [Device choice])
 from __future__ import annotations
 
 import itertools
+import os
+import sys
 
 import torch
 from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
@@ -13,7 +15,43 @@ from torch.utils.backend_registration import _setup_privateuseone_for_python_bac
 from torchacc.lazy import autograd_engine
 from torchacc.runtime import device as _runtime_device
 
-DEVICE_TYPE = "torchacc"
+# Note [The device's name]
+# torchacc's tensors live on PrivateUse1, which torch lets a backend rename once per process.
+# Its name is ``xla`` in processes started by ``python -m torchacc.run_torch_xla`` and where
+# ``TORCHACC_DEVICE_TYPE=xla`` asks for it, else ``torchacc`` (``TORCHACC_DEVICE_TYPE=torchacc``
+# keeps it in run_torch_xla; fixed when torchacc is first imported). Named ``xla``, tensors
+# report ``xla:0`` and ``torch.device("xla")`` itself parses to this device, so
+# unchanged torch_xla scripts' ``t.device == torch.device("xla", 0)`` / ``t.device.type ==
+# "xla"`` hold, and ``device="xla"`` needs no mapping. torch's built-in ``XLA`` device type is
+# then unreachable by name in the process (torch_xla is not installed beside torchacc anyway),
+# and torch's own Python paths for ``device.type == "xla"`` apply (printing, deepcopy and
+# pickling go through ``.cpu()``). torch's per-backend helper methods (``Tensor.is_xla``, ...)
+# already exist for ``xla``, so they are not generated; ``Tensor.is_xla`` stays False (it asks
+# for torch's XLA key). Every check of "is this a torchacc tensor" compares with DEVICE_TYPE.
+_DEVICE_TYPES = ("torchacc", "xla")
+
+
+def _default_type():
+    """``xla`` when this process runs ``python -m torchacc.run_torch_xla`` (torchacc is imported
+    before that module runs, so the command line is read), else ``torchacc``."""
+    args = iter(list(getattr(sys, "orig_argv", ()))[1:])
+    for arg in args:  # the interpreter's options, up to the module, script or -c
+        if arg in ("-W", "-X"):
+            next(args, None)
+        elif arg.startswith("-m"):
+            module = arg[2:] or next(args, "")
+            return "xla" if module == "torchacc.run_torch_xla" else "torchacc"
+        elif arg.startswith("-c") or not arg.startswith("-"):
+            break
+    return "torchacc"
+
+
+DEVICE_TYPE = os.environ.get("TORCHACC_DEVICE_TYPE", "").strip() or _default_type()
+if DEVICE_TYPE not in _DEVICE_TYPES:
+    raise ValueError(
+        f"TORCHACC_DEVICE_TYPE={DEVICE_TYPE!r}: the torchacc device can be named "
+        f"{' or '.join(_DEVICE_TYPES)}"
+    )
 
 
 # Note [torchacc is not torch.accelerator]
@@ -85,6 +123,19 @@ class _DeviceGuard(torch._C._acc.DeviceGuard):
         self.type_ = itertools.repeat(torch._C._autograd.DeviceType.PrivateUse1).__next__
 
 
+class _Hooks(torch._C._acc.PrivateUse1Hooks):
+    """The PrivateUse1 hooks torch's Python-backend setup would register."""
+
+    def is_available(self):
+        return True
+
+    def has_primary_context(self, dev_id):
+        return True
+
+    def is_built(self):
+        return True
+
+
 _registered = False
 
 
@@ -93,16 +144,23 @@ def register_backend():
     if _registered:
         return
     if torch._C._get_privateuse1_backend_name() != DEVICE_TYPE:
-        _setup_privateuseone_for_python_backend(
-            DEVICE_TYPE, backend_module=_BackendModule(), device_guard=_DeviceGuard()
-        )
+        if DEVICE_TYPE == "xla":  # Note [The device's name]: torch has is_xla & co. already
+            torch.utils.rename_privateuse1_backend(DEVICE_TYPE)
+            torch._register_device_module(DEVICE_TYPE, _BackendModule())
+            torch._C._acc.register_python_privateuseone_hook(_Hooks())
+            torch._C._acc.register_python_privateuseone_device_guard(_DeviceGuard())
+        else:
+            _setup_privateuseone_for_python_backend(
+                DEVICE_TYPE, backend_module=_BackendModule(), device_guard=_DeviceGuard()
+            )
     _registered = True
     # a backward before `import torchacc` sized the autograd engine's device queues
     autograd_engine.ensure_backward_works(torch.device(DEVICE_TYPE, 0))
 
 
 def device(index=0):
-    """The torch device for torchacc tensors: ``torch.device('torchacc', index)``."""
+    """The torch device for torchacc tensors: ``torch.device('torchacc', index)`` (``'xla'``
+    with ``TORCHACC_DEVICE_TYPE=xla``; Note [The device's name])."""
     register_backend()
     if index not in (0, None):
         raise ValueError(

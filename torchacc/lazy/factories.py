@@ -20,12 +20,22 @@ def _is_factory(op):
     return any(a.name == "device" for a in args) and not any("Tensor" in str(a.type) for a in args)
 
 
+def _no_such_device(op, device):
+    raise ValueError(
+        f"{op}: device '{device}': no such device; each torchacc process drives one device, "
+        f"'{device.type}:0' (start one process per device with torchrun)"
+    )
+
+
 def _register_factories():
     for op in list(RULES):
         if not _is_factory(op):
             continue
 
         def kernel(*args, _op=op, **kwargs):
+            device = kwargs.get("device")
+            if device is not None and device.index not in (None, 0):
+                _no_such_device(_op, device)
             return dispatch.dispatch(_op, args, kwargs)
 
         _lib.impl(op, kernel, "PrivateUse1")

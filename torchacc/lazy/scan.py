@@ -20,6 +20,7 @@ import torch
 from torch.autograd.function import once_differentiable
 from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import lookup
 from torchacc.lowering import scan as ops
@@ -149,7 +150,7 @@ def _decompositions():
 
 def _fake(mode, shape, dtype, requires_grad):
     with mode:
-        t = torch.empty(tuple(shape), dtype=dtype, device="torchacc")
+        t = torch.empty(tuple(shape), dtype=dtype, device=DEVICE_TYPE)
     return t.requires_grad_(requires_grad and (t.is_floating_point() or t.is_complex()))
 
 

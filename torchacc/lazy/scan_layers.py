@@ -22,6 +22,7 @@ import copy
 import torch
 from torch import nn
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.scan import scan
 
 _one_layer_fns: dict = {}  # (id(first layer), partition_fn) -> fn, for is_layer_pure
@@ -133,7 +134,7 @@ class ScannedLayers(nn.Module):
         carry = args[0] if len(args) == 1 else args
         weights = self.weights()
         leaves = [*args, *weights[0].values()]
-        if any(t.device.type == "torchacc" for t in leaves if isinstance(t, torch.Tensor)):
+        if any(t.device.type == DEVICE_TYPE for t in leaves if isinstance(t, torch.Tensor)):
             return scan(self._fn, carry, weights, is_fn_pure=True)[0]
         for i in range(self.depth):
             carry = self._fn(carry, _slice(weights, i))[0]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax.numpy as jnp
 import numpy as np
 import torch
@@ -27,15 +29,61 @@ TORCH_TO_JAX = {
 }
 JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
 
+# Note [Device dtypes]
+# torch_xla's environment flags store some torch dtypes narrower on the device, while tensors
+# keep their torch dtype (``t.dtype``, meta shapes, what ``.cpu()`` returns):
+#   XLA_USE_BF16=1       float32 and float64 are bfloat16 on the device;
+#   XLA_DOWNCAST_BF16=1  float32 is bfloat16 and float64 is float32;
+#   XLA_USE_32BIT_LONG=1 int64 is int32 and uint64 is uint32.
+# As in torch_xla, each flag is read once, when a dtype it affects is first put on the device or
+# lowered (setting it later has no effect). ``jdtype`` returns the stored dtype, so every program
+# input (engine/transfer.upload narrows the host copy), every node output (program/build casts
+# each result to ``jdtype`` of its torch dtype) and every dtype a rule names follow the flags;
+# reads widen back to the torch dtype. Without the flags the stored dtype is the torch dtype.
+# ``jdtype`` runs when programs are built and at uploads, never per recorded op.
+_FLAGGED = (torch.float64, torch.float32, torch.int64, torch.uint64)
+_STORED = {t: t for t in TORCH_TO_JAX if t not in _FLAGGED}  # torch dtype -> stored torch dtype
+_JAX = {t: TORCH_TO_JAX[t] for t in _STORED}  # torch dtype -> stored JAX dtype
+_flags = {}
+
+
+def _flag(name):
+    if name not in _flags:
+        _flags[name] = os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+    return _flags[name]
+
+
+def _narrowed(dtype):
+    if dtype is torch.float64:
+        if _flag("XLA_USE_BF16"):
+            return torch.bfloat16
+        return torch.float32 if _flag("XLA_DOWNCAST_BF16") else dtype
+    if dtype is torch.float32:
+        return torch.bfloat16 if _flag("XLA_USE_BF16") or _flag("XLA_DOWNCAST_BF16") else dtype
+    if dtype is torch.int64:
+        return torch.int32 if _flag("XLA_USE_32BIT_LONG") else dtype
+    if dtype is torch.uint64:
+        return torch.uint32 if _flag("XLA_USE_32BIT_LONG") else dtype
+    raise TypeError(f"torchacc: dtype {dtype} is not supported on the device")
+
+
+def stored_dtype(dtype):
+    """The torch dtype a tensor of ``dtype`` is stored as on the device (Note [Device dtypes])."""
+    stored = _STORED.get(dtype)
+    if stored is None:
+        stored = _STORED[dtype] = _narrowed(dtype)
+    return stored
+
 
 def jdtype(dtype):
-    """JAX dtype for a torch dtype (None -> torch's default float dtype)."""
+    """JAX dtype a tensor of torch dtype ``dtype`` has on the device (None -> torch's default
+    float dtype; Note [Device dtypes])."""
     if dtype is None:
         dtype = torch.get_default_dtype()
-    try:
-        return TORCH_TO_JAX[dtype]
-    except KeyError:
-        raise TypeError(f"torchacc: dtype {dtype} is not supported on the device") from None
+    j = _JAX.get(dtype)
+    if j is None:
+        j = _JAX[dtype] = TORCH_TO_JAX[stored_dtype(dtype)]
+    return j
 
 
 def tdtype(jax_dtype):

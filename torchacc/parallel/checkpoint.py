@@ -27,6 +27,7 @@ import os
 import torch
 
 from torchacc.distributed import sharding as engine
+from torchacc.lazy.device import DEVICE_TYPE
 
 FORMAT = "torchacc.parallel.checkpoint/1"
 _OPT = "optimizer.state."
@@ -101,7 +102,7 @@ def _owned_slices(t, position, n):
     """(slice, [[start, stop], ...], owner ordinal, full shape) for the slices of ``t`` this
     process writes (Note [Per-device checkpoint slices])."""
     shape = tuple(t.shape)
-    if not (engine.is_spmd() and t.device.type == "torchacc"):
+    if not (engine.is_spmd() and t.device.type == DEVICE_TYPE):
         if _is_lead_process():
             yield t.detach().cpu(), [[0, s] for s in shape], position % n, shape
         return

@@ -12,6 +12,7 @@ import math
 import torch
 
 from torchacc.distributed import sharding as engine
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.parallel import context
 
 
@@ -111,7 +112,7 @@ def split_batch(t, owner, matrix, axes=None):
     """Constrain activation ``t`` to be split by dimension 0 over ``axes`` (default: the data
     parallel axes)."""
     axes = matrix.dp_axes if axes is None else axes
-    if not axes or not isinstance(t, torch.Tensor) or t.device.type != "torchacc" or t.dim() == 0:
+    if not axes or not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE or t.dim() == 0:
         return t
     size = matrix.size(axes)
     if t.shape[0] % size:
@@ -126,7 +127,7 @@ def split_batch(t, owner, matrix, axes=None):
 
 def constrain(t, spec, owner, matrix):
     """A sharding constraint (or a reshard of a computed tensor) on activation ``t``."""
-    if isinstance(t, torch.Tensor) and t.device.type == "torchacc":
+    if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE:
         engine.mark(t, engine.named_sharding(matrix.mesh, spec, tuple(t.shape), owner), owner)
     return t
 

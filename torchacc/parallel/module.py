@@ -10,6 +10,7 @@ import math
 
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.parallel import context, layout
 from torchacc.parallel.ops import Primitive
 
@@ -81,7 +82,7 @@ def shard(module, in_strategy, out_strategy=None, parameter_plan=None, *, _by_se
 def place_params(module, plan, matrix):
     for name, strategy in plan.params.items():
         p = module.get_parameter(name)
-        if p.device.type != "torchacc":
+        if p.device.type != DEVICE_TYPE:
             raise ValueError(
                 f"{plan.owner}.{name}: the parameter is on {p.device}; move the model to the "
                 "torchacc device before its first step"

@@ -16,6 +16,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.parallel import context, layout
 
 _counter = itertools.count()
@@ -76,7 +77,7 @@ class Primitive:
         if (
             self.strategy is not None
             and context.uses_strategies()
-            and any(isinstance(t, torch.Tensor) and t.device.type == "torchacc" for t in tensors)
+            and any(isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE for t in tensors)
         ):
             self._lay_out(tensors)
         return self.compute(*args, **kwargs)

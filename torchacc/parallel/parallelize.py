@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.parallel import auto, context, layout
 from torchacc.parallel.context import ParallelMode
 from torchacc.parallel.module import gradient_scale, model_parallel_size, place_params
@@ -78,7 +79,7 @@ def _onto_matrix(model, matrix):
     from torchacc.distributed import sharding as engine
 
     for t in (*model.parameters(), *model.buffers()):
-        if t.device.type != "torchacc":
+        if t.device.type != DEVICE_TYPE:
             continue
         s = engine.sharding_of(t)
         if s is None or (s.mesh != matrix.mesh and all(e is None for e in s.spec)):
@@ -92,7 +93,7 @@ def _scale_gradient(grad):
 
 
 def _on_device(module):
-    return all(p.device.type == "torchacc" for p in module.parameters())
+    return all(p.device.type == DEVICE_TYPE for p in module.parameters())
 
 
 def _broadcast_parameters(model):
@@ -109,7 +110,7 @@ def _broadcast_parameters(model):
 
     with torch.no_grad():
         for p in (*model.parameters(), *model.buffers()):
-            if p.device.type != "torchacc":
+            if p.device.type != DEVICE_TYPE:
                 continue
             local = engine.local_shards(p)[0][0]
             if tuple(local.shape) != tuple(p.shape):

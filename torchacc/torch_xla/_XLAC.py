@@ -17,10 +17,12 @@ holds; ``_set_ir_debug``). Any other name raises an error that is both ``NotImpl
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 
 import torchacc
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
 
@@ -105,7 +107,7 @@ _ID_ATTR = "_torchacc_xla_tensor_id"
 
 def _xla_get_tensor_id(tensor):
     """A unique id for ``tensor`` (stable for its lifetime)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "torchacc":
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != DEVICE_TYPE:
         raise RuntimeError(f"_xla_get_tensor_id: expected a torchacc tensor, got {tensor!r}")
     tid = getattr(tensor, _ID_ATTR, None)
     if tid is None:
@@ -118,7 +120,7 @@ def _values(tensors):
     from torchacc.lazy.record import value_of
 
     for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != "torchacc":
+        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
             raise RuntimeError(f"expected torchacc tensors, got {type(t).__name__} on {t.device}")
     return [value_of(t) for t in tensors]
 
@@ -126,29 +128,38 @@ def _values(tensors):
 def _get_xla_tensors_text(tensors):
     """The pending graph computing ``tensors`` in torch_xla's IR text form: one line per data
     input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
-    aten::add.Tensor(%0, %1)``), then the roots."""
+    aten::add.Tensor(%0, %1)``), in the device's dtypes (Note [Device dtypes]); the line of the
+    i-th tensor's value ends with ``, ROOT=i``."""
     from torchacc import program as compiler
 
     values = _values(tensors)
     pending = [v for v in values if v.node is not None]
     lines = ["IR {"]
-    names = {}
+    names, where = {}, {}
+    n = 0
     if pending:
         graph = compiler.Graph(pending)
-        for i, v in enumerate(graph.inputs):
-            names[id(v)] = f"%{i}"
-            lines.append(f"  %{i} = {_desc_text(v.desc)} xla::device_data()")
-        n = len(graph.inputs)
+        for v in graph.inputs:
+            names[id(v)] = f"%{n}"
+            where[id(v)] = len(lines)
+            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
+            n += 1
         for node in graph.order:
             args = ", ".join(_ref(v, names) for v in node.inputs)
             names[id(node)] = f"%{n}"
+            where[id(node)] = len(lines)
             outs = [_desc_text(d) for d in node.op.descs if d is not None]
             outs = outs[0] if len(outs) == 1 else f"({', '.join(outs)})"
             lines.append(f"  %{n} = {outs} {_op_text(node.op.rule.name)}({args})")
             n += 1
     for i, v in enumerate(values):
-        where = "xla::device_data()" if v.node is None else _ref(v, names)
-        lines.append(f"  ROOT {i} = {where}")
+        key = id(v) if v.node is None else id(v.node)
+        if key not in where:  # a computed tensor: a data input of no pending graph
+            names[key] = f"%{n}"
+            where[key] = len(lines)
+            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
+            n += 1
+        lines[where[key]] += f", ROOT={i}"
     lines.append("}")
     return "\n".join(lines) + "\n"
 
@@ -171,7 +182,9 @@ _SHORT_DTYPES = {
     torch.int16: "s16",
     torch.int8: "s8",
     torch.uint8: "u8",
+    torch.uint16: "u16",
     torch.uint32: "u32",
+    torch.uint64: "u64",
     torch.bool: "pred",
     torch.complex64: "c64",
     torch.complex128: "c128",
@@ -179,7 +192,11 @@ _SHORT_DTYPES = {
 
 
 def _desc_text(desc):
+    from torchacc.lowering.dtypes import TORCH_TO_JAX, stored_dtype
+
     shape, dtype = desc[0], desc[2]
+    if dtype in TORCH_TO_JAX:
+        dtype = stored_dtype(dtype)  # what the device holds (Note [Device dtypes])
     name = _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
     return f"{name}[{','.join(map(str, shape))}]"
 
@@ -205,7 +222,43 @@ def _get_xla_tensors_hlo(tensors):
     graph = compiler.Graph(pending)
     args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
     args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical (padded)
-    return jax.jit(program_of(graph)).lower(*args).as_text(dialect="hlo")
+    module = jax.jit(program_of(graph)).lower(*args).compiler_ir(dialect="hlo").get_hlo_module()
+    return _names_by_opcode(module.to_string(_hlo_print_options()))
+
+
+_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = .*? ([a-z][a-z0-9-]*)\(", re.M)
+_NAME = re.compile(r"%([^\s,()={}]+)")
+_SIGNATURE = re.compile(r"^((?:ENTRY )?%\S+ )(\(.*\) -> )", re.M)
+_PARAM = re.compile(r"([^\s,():]+):")
+
+
+def _names_by_opcode(text):
+    """Rename each instruction after its opcode (``%exponential.3``), as torch_xla's HLO (built
+    by XlaBuilder) names them; JAX names them after its primitives (``%exp.1``)."""
+    renames, counts = {}, {}
+    for m in _DEFINITION.finditer(text):
+        opcode = m.group(2)
+        counts[opcode] = counts.get(opcode, 0) + 1
+        renames[m.group(1)] = f"{opcode}.{counts[opcode]}"
+    text = _SIGNATURE.sub(
+        lambda m: (
+            m.group(1) + _PARAM.sub(lambda p: renames.get(p.group(1), p.group(1)) + ":", m.group(2))
+        ),
+        text,
+    )
+    return _NAME.sub(lambda m: "%" + renames.get(m.group(1), m.group(1)), text)
+
+
+def _hlo_print_options():
+    """torch_xla's HLO text form: ``%name = f32[2]{0} add(f32[2]{0} %a, f32[2]{0} %b)``
+    (operand shapes and ``%`` names; no source metadata)."""
+    from jaxlib import _hlo
+
+    options = _hlo.HloPrintOptions()
+    options.print_operand_shape = True
+    options.print_percent = True
+    options.print_metadata = False
+    return options
 
 
 # --- RNG and precision -------------------------------------------------------------------------

@@ -159,6 +159,7 @@ API = {
         "auto_policy",
     ],
     "torch_xla.distributed.xla_backend": ["ProcessGroupXla", "xla_rendezvous_handler"],
+    "torch_xla.distributed.zero_redundancy_optimizer": ["ZeroRedundancyOptimizer"],
     "torch_xla.distributed.parallel_loader": [
         "ParallelLoader",
         "PerDeviceLoader",

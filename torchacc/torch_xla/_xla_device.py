@@ -14,6 +14,7 @@ import torch
 
 import torchacc
 from torchacc.lazy import factories
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lowering import RULES
 
 # Note [The xla device string]
@@ -32,17 +33,22 @@ from torchacc.lowering import RULES
 #   wrapped: one extra Python frame and a type check of the device argument per call. A
 #   ``TorchFunctionMode`` would see every torch call instead, a Python frame for every op
 #   (benchmarks/RESULTS.md measures both on the gallery models).
+# - ``torch.autocast("xla")`` (also ``torch.amp.autocast``) would turn on torch's AutocastXLA
+#   key, which torchacc tensors do not carry: ``autocast.__init__`` is wrapped so that an
+#   ``"xla"`` device type means torchacc's autocast (its policy and default dtype, bf16). One
+#   Python frame per autocast region, none per op. Inside ``torch.compile``d code dynamo builds
+#   its own autocast object, so there ``"xla"`` is not mapped.
 # What cannot be mapped: a tensor's ``.device`` stays ``torchacc:0``, so ``t.device.type ==
 # "xla"`` and ``t.device == torch.device("xla")`` are False; torch_xla's own helpers
 # (``xm.xla_device()``, ``torch_xla.device()``) return the torchacc device, so comparisons with
-# what they return hold. ``torch.autocast("xla")`` turns on torch's AutocastXLA key, which
-# torchacc tensors do not carry; ``torch_xla.amp.autocast("xla")`` is torchacc's autocast.
+# what they return hold.
 
 _XLA = "xla"
 
 
 def _available():
-    return "'xla', 'xla:0', torch.device('xla', 0) or 'torchacc:0' (this process has one device)"
+    also = "" if DEVICE_TYPE == _XLA else f" or '{DEVICE_TYPE}:0'"
+    return f"'xla', 'xla:0', torch.device('xla', 0){also} (this process has one device)"
 
 
 def resolve(spec):
@@ -60,7 +66,7 @@ def resolve(spec):
             raise ValueError(f"device {shown}: not a device; devices here: {_available()}") from e
     else:
         raise TypeError(f"device {shown}: expected a str, torch.device or int")
-    if dev.type not in (_XLA, "torchacc"):
+    if dev.type not in (_XLA, "torchacc", DEVICE_TYPE):
         raise ValueError(f"device {shown}: not an XLA device; devices here: {_available()}")
     if dev.index not in (None, 0):
         raise ValueError(
@@ -126,6 +132,23 @@ def _wrap_method(original, device_pos):
     return wrapper
 
 
+def _wrap_autocast_init(original):
+    """``torch.autocast.__init__`` with an ``"xla"`` device type meaning the torchacc device."""
+
+    @functools.wraps(original)
+    def __init__(self, device_type, dtype=None, enabled=True, cache_enabled=None):
+        if device_type == _XLA:
+            from torchacc import amp
+
+            amp.autocast_policy.install()
+            device_type = torchacc.device().type
+            dtype = amp.default_dtype() if dtype is None else dtype
+        original(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    __init__.__torchacc_original__ = original
+    return __init__
+
+
 _KEYWORD_ONLY = 1 << 30
 # (owner, name, position of a positional device argument, counting self for methods)
 _ENTRY_POINTS = (
@@ -135,6 +158,7 @@ _ENTRY_POINTS = (
     (torch, "as_tensor", 2),
     (torch, "asarray", _KEYWORD_ONLY),
 )
+_AUTOCAST = torch.amp.autocast_mode.autocast
 
 _installed = False
 
@@ -148,13 +172,14 @@ def install():
     _register_kernels()
     for owner, name, pos in _ENTRY_POINTS:
         setattr(owner, name, _wrap_method(getattr(owner, name), pos))
+    _AUTOCAST.__init__ = _wrap_autocast_init(_AUTOCAST.__init__)
     _installed = True
 
 
 def uninstall():
     """Restore the wrapped entry points (the dispatcher kernels stay; they only see ``xla``)."""
     global _installed
-    for owner, name, _pos in _ENTRY_POINTS:
+    for owner, name, _pos in (*_ENTRY_POINTS, (_AUTOCAST, "__init__", None)):
         current = getattr(owner, name)
         original = getattr(current, "__torchacc_original__", None)
         if original is not None:

@@ -12,6 +12,7 @@ import torch
 
 import torchacc
 from torchacc import metrics  # noqa: F401
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs
 
 REDUCE_SUM = "sum"
@@ -147,7 +148,7 @@ def xla_real_devices(devices=None):
 
 
 def is_xla_tensor(tensor):
-    return isinstance(tensor, torch.Tensor) and tensor.device.type == "torchacc"
+    return isinstance(tensor, torch.Tensor) and tensor.device.type == DEVICE_TYPE
 
 
 _replication = []
@@ -161,7 +162,7 @@ def set_replication(device, devices):
     job ``torchacc.distributed.set_replication`` is called when it exists.
     """
     device = torch.device(device)
-    if device.type not in ("torchacc", "xla"):
+    if device.type not in (DEVICE_TYPE, "xla"):
         raise ValueError(f"set_replication: {device} is not a torchacc device")
     devices = [torch.device(d) for d in devices or []]
     if len(devices) > 1:

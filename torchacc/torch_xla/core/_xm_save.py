@@ -9,6 +9,7 @@ import torch
 
 import torchacc
 from torchacc import metrics  # noqa: F401
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla.core._xm_collectives import rendezvous
 from torchacc.torch_xla.core._xm_devices import (
     is_master_ordinal,
@@ -22,7 +23,7 @@ def _maybe_convert_to_cpu(data, convert=True):
     found = []
 
     def collect(x):
-        if isinstance(x, torch.Tensor) and x.device.type == "torchacc":
+        if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
             found.append(x)
         elif isinstance(x, dict):
             for v in x.values():
@@ -32,7 +33,7 @@ def _maybe_convert_to_cpu(data, convert=True):
                 collect(v)
 
     def rewrite(x):
-        if isinstance(x, torch.Tensor) and x.device.type == "torchacc":
+        if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
             return x.detach().cpu()
         if isinstance(x, dict):
             return type(x)((k, rewrite(v)) for k, v in x.items())
@@ -107,7 +108,7 @@ def send_cpu_data_to_device(datas, device, input_sharding=None):
     if input_sharding is not None:
         input_sharding.xla_spec  # noqa: B018  (attribute check: a ShardingSpec)
     device = torch.device(device)
-    if device.type not in ("torchacc", "xla"):
+    if device.type not in (DEVICE_TYPE, "xla"):
         raise ValueError(f"send_cpu_data_to_device: {device} is not a torchacc device")
     dev = torchacc.device()
 

@@ -13,6 +13,7 @@ import jax
 import torch
 
 import torchacc
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
 _NO_BUILDER = (
@@ -24,7 +25,7 @@ _NO_BUILDER = (
 def _to_jax(x):
     from torchacc.lazy.record import value_of
 
-    if isinstance(x, torch.Tensor) and x.device.type == "torchacc":
+    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
         value = value_of(x)
         if value.node is not None:
             torchacc.sync()

@@ -23,10 +23,12 @@ import threading
 
 import torch
 
-# the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
-# torchacc.AsyncLoader
 from torchacc.accel.loader import upload_tree as _upload_tree
 from torchacc.accel.loader import wrap_tree as _wrap_tree
+
+# the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
+# torchacc.AsyncLoader
+from torchacc.lazy.device import DEVICE_TYPE
 
 _END = object()
 
@@ -87,7 +89,7 @@ class ParallelLoader:
 
         self._input_sharding = input_sharding
         devices = [torch.device(d) for d in devices]
-        if len(devices) != 1 or devices[0].type not in ("torchacc", "xla"):
+        if len(devices) != 1 or devices[0].type not in (DEVICE_TYPE, "xla"):
             raise ValueError(
                 f"ParallelLoader: expected this process's one torchacc device, got {devices}"
             )

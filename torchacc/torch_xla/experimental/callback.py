@@ -11,11 +11,13 @@ import threading
 
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
+
 
 def _value(tensor):
     from torchacc.lazy.record import value_of
 
-    if not isinstance(tensor, torch.Tensor) or tensor.device.type != "torchacc":
+    if not isinstance(tensor, torch.Tensor) or tensor.device.type != DEVICE_TYPE:
         raise TypeError(f"on_ready_callback: expected a torchacc tensor, got {tensor!r}")
     return value_of(tensor)
 

@@ -4,6 +4,7 @@ import (:mod:`torchacc.distributed.checkpoint`)."""
 from torchacc.distributed.checkpoint import Shards as _CpuShards
 from torchacc.distributed.checkpoint import host_state_dict as _sharded_cpu_state_dict
 from torchacc.distributed.checkpoint import is_sharded
+from torchacc.lazy.device import DEVICE_TYPE
 
 
 def _is_sharded_tensor(x):
@@ -14,7 +15,7 @@ def _is_sharded_tensor(x):
 
     if isinstance(x, XLAShardedTensor):
         x = x.global_tensor
-    return isinstance(x, torch.Tensor) and x.device.type == "torchacc" and is_sharded(x)
+    return isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE and is_sharded(x)
 
 
 __all__ = ["_CpuShards", "_is_sharded_tensor", "_sharded_cpu_state_dict"]
