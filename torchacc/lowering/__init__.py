@@ -30,6 +30,7 @@ _FAMILIES = (
     "segments",
     "metas",
     "scan",
+    "region",
 )
 
 

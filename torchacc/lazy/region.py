@@ -1,0 +1,257 @@
+"""Traced regions on torchacc tensors: ``assume_pure(fn)`` and ``while_loop(cond_fn, body_fn, ...)``.
+
+Both trace a function once on fake torchacc tensors (AOTAutograd's functional forward graph, no
+autograd) and record one node whose lowering replays the graph (Note [Traced regions] in
+torchacc/lowering/region.py). Tensors the function closes over (module weights, a captured
+tensor) are found during a first trace and lifted to extra inputs in a second one, so the node
+reads their current values every step. On tensors of other devices ``while_loop`` is torch's own.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchacc.lazy.tensor import LazyTensor
+from torchacc.lowering import region as ops
+
+_cache: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # fn -> {signature: Traced}
+
+
+class Traced:
+    """A traced function: its graph's key, the lifted closure tensors and its output plumbing."""
+
+    def __init__(self, key, closures, out_spec, out_consts, out_pos):
+        self.key = key
+        self.closures = closures  # LazyTensors read by the graph after the inputs
+        self.out_spec = out_spec
+        self.out_consts = out_consts  # non-tensor output leaves, as returned at trace time
+        self.out_pos = out_pos  # per tensor output, its position among the output leaves
+
+
+def _fake(mode, t):
+    with mode:
+        return torch.empty(tuple(t.shape), dtype=t.dtype, device="torchacc")
+
+
+class _Lift(torch.utils._python_dispatch.TorchDispatchMode):
+    """Swaps every LazyTensor an op meets for a fake of its own (made once per tensor, untracked
+    by the trace, so the graph holds it as a constant that ``_lift_constants`` turns into an
+    input) and notes the tensor."""
+
+    def __init__(self, mode, found):
+        super().__init__()
+        self.mode, self.found = mode, found
+
+    def _swap(self, t):
+        if type(t) is not LazyTensor:
+            return t
+        entry = self.found.get(id(t))
+        if entry is None:
+            from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+            with disable_proxy_modes_tracing():
+                entry = self.found[id(t)] = (len(self.found), t, _fake(self.mode, t))
+        return entry[2]
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        flat, spec = tree_flatten((args, kwargs or {}))
+        if any(type(a) is LazyTensor for a in flat) and func._schema.is_mutable:
+            raise ValueError(
+                f"torchacc: {func} writes into a tensor the traced function closes over; a "
+                "traced region must not modify tensors it does not create"
+            )
+        args, kwargs = tree_unflatten([self._swap(a) for a in flat], spec)
+        return func(*args, **kwargs)
+
+
+def _graph(fn, fakes, mode, what):
+    """The functional FX graph of ``fn`` on ``fakes`` (``fn`` runs once)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from torchacc.lazy.scan import _decompositions
+
+    traced = make_fx(
+        torch.func.functionalize(fn, remove="mutations_and_views"),
+        decomposition_table=_decompositions(),
+    )
+    with mode, torch.no_grad():
+        try:
+            return traced(*fakes)
+        except torch._subclasses.fake_tensor.DataDependentOutputException as e:
+            raise ValueError(
+                f"torchacc: {what} reads a tensor's value on the host ({e}); a traced region "
+                "cannot branch on device data"
+            ) from None
+
+
+def trace(fn, flat_args, what):
+    """Trace ``fn(*flat_args) -> pytree`` into a registered graph; returns a ``Traced``."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    mode = FakeTensorMode(allow_fallback_kernels=False)
+    fakes = [_fake(mode, t) for t in flat_args]
+    found: dict = {}
+    out = {}
+
+    def first(*args):
+        with _Lift(mode, found):
+            return _tensors(fn(*args))
+
+    def _tensors(result):
+        leaves, spec = tree_flatten(result)
+        pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        out["spec"], out["leaves"], out["pos"] = spec, leaves, pos
+        return tuple(leaves[i] for i in pos)
+
+    gm = _graph(first, fakes, mode, what)
+    entries = sorted(found.values(), key=lambda e: e[0])
+    if entries:
+        _lift_constants(gm, entries)
+    closures = [t for _, t, _ in entries]
+    key = ops.add(ops.Graph(gm, what))
+    consts = [None if i in out["pos"] else v for i, v in enumerate(out["leaves"])]
+    return Traced(key, closures, out["spec"], consts, out["pos"])
+
+
+def _lift_constants(gm, entries):
+    """Turn the graph's constants that stand for closure tensors into inputs after the others.
+    The Lift mode runs below functionalization, so each constant is the very fake it made."""
+    graph = gm.graph
+    last = [n for n in graph.nodes if n.op == "placeholder"][-1]
+    inputs = {}
+    for k, _, fake in entries:
+        with graph.inserting_after(last):
+            last = graph.placeholder(f"closure_{k}")
+        last.meta["val"] = fake
+        inputs[id(fake)] = last
+    for node in list(graph.nodes):
+        if node.op == "get_attr":
+            ph = inputs.get(id(getattr(gm, node.target)))
+            if ph is not None:
+                node.replace_all_uses_with(ph)
+                graph.erase_node(node)
+                delattr(gm, node.target)
+    gm.recompile()
+
+
+def _signature(flat):
+    return tuple(
+        (tuple(v.shape), v.dtype, v.device) if isinstance(v, torch.Tensor) else ("py", repr(v))
+        for v in flat
+    )
+
+
+def _check_torchacc(flat, what):
+    for v in flat:
+        if isinstance(v, torch.Tensor) and type(v) is not LazyTensor:
+            raise ValueError(
+                f"torchacc: {what} got a {v.device} tensor of shape {tuple(v.shape)} next to "
+                "torchacc tensors; move it with .to(device)"
+            )
+
+
+# -------------------------------------------------------------------------------------------------
+# assume_pure
+
+
+def assume_pure(fn, use_cache=True, cache=None):
+    """``fn`` (pure: its result depends only on its arguments and the tensors it reads) traced
+    once per input signature and recorded as one ``torchacc.call_graph`` node per call; forward
+    only (no autograd through it). Non-tensor arguments are part of the signature. ``cache``: a
+    dict to keep the traces in (keyed by the wrapper and the signature), instead of the
+    module's own."""
+    what = f"assume_pure({getattr(fn, '__name__', 'fn')})"
+
+    @functools.wraps(fn)
+    def pure(*args, **kwargs):
+        flat, spec = tree_flatten((args, kwargs))
+        tensors = [v for v in flat if isinstance(v, torch.Tensor)]
+        if not any(type(v) is LazyTensor for v in tensors):
+            return fn(*args, **kwargs)
+        _check_torchacc(flat, what)
+        if torch.is_grad_enabled() and any(v.requires_grad for v in tensors):
+            raise NotImplementedError(
+                f"torchacc: {what} is forward only; call it under torch.no_grad()"
+            )
+        sig = (spec, _signature(flat))
+        store = _cache.setdefault(pure, {}) if cache is None else cache
+        if cache is not None:
+            sig = (pure, sig)
+        traced = store.get(sig) if use_cache else None
+        if traced is None:
+            where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+
+            def flat_fn(*ts):
+                full = list(flat)
+                for i, t in zip(where, ts):
+                    full[i] = t
+                a, k = tree_unflatten(full, spec)
+                return fn(*a, **k)
+
+            traced = trace(flat_fn, tensors, what)
+            if use_cache:
+                store[sig] = traced
+        outs = ops.call_graph([*tensors, *traced.closures], traced.key)
+        leaves = list(traced.out_consts)
+        for i, t in zip(traced.out_pos, outs):
+            leaves[i] = t
+        return tree_unflatten(leaves, traced.out_spec)
+
+    return pure
+
+
+# -------------------------------------------------------------------------------------------------
+# while_loop
+
+
+def while_loop(cond_fn, body_fn, carried_inputs):
+    """torch's ``while_loop(cond_fn, body_fn, carried_inputs)`` on torchacc tensors: one
+    ``lax.while_loop``; ``cond_fn(*carried)`` is a bool scalar tensor, ``body_fn(*carried)``
+    returns the new carried values (same structure, shapes and dtypes). Forward only."""
+    flat, spec = tree_flatten(tuple(carried_inputs))
+    for i, v in enumerate(flat):
+        if not isinstance(v, torch.Tensor):
+            raise ValueError(
+                f"torchacc: while_loop carried input {i} is a {type(v).__name__}; on torchacc "
+                "every carried input must be a tensor"
+            )
+    _check_torchacc(flat, "while_loop")
+
+    def call(f):
+        return lambda *ts: f(*tree_unflatten(list(ts), spec))
+
+    def flat_body(*ts):
+        new, new_spec = tree_flatten(tuple(call(body_fn)(*ts)))
+        if new_spec != spec:
+            raise ValueError(
+                f"torchacc: while_loop body_fn returned structure {new_spec}, the carried "
+                f"inputs have {spec}"
+            )
+        return tuple(new)
+
+    body = trace(flat_body, flat, "while_loop body_fn")
+    cond = trace(call(cond_fn), flat, "while_loop cond_fn")
+    b, c = ops.GRAPHS[body.key], ops.GRAPHS[cond.key]
+    for i, ((shape, dtype), v) in enumerate(zip(b.out_meta, flat)):
+        if shape != tuple(v.shape) or dtype != v.dtype:
+            raise ValueError(
+                f"torchacc: while_loop body_fn changed carried input {i} from shape "
+                f"{tuple(v.shape)} {v.dtype} to {shape} {dtype}; it must keep both"
+            )
+    if len(c.out_meta) != 1 or c.out_meta[0] != ((), torch.bool):
+        raise ValueError(
+            f"torchacc: while_loop cond_fn must return one bool scalar tensor, got {c.out_meta}"
+        )
+    extra = [*body.closures, *cond.closures]  # body's first (Note [Traced regions])
+    if torch.is_grad_enabled() and any(v.requires_grad for v in (*flat, *extra)):
+        raise NotImplementedError(
+            "torchacc: while_loop has no backward on torchacc; run it under torch.no_grad() "
+            "(a carried input or a tensor the functions read requires grad)"
+        )
+    outs = ops.while_loop(flat, extra, cond.key, body.key)
+    return tuple(tree_unflatten(list(outs), spec))
+
