@@ -5,7 +5,8 @@
     python tools/torch_xla_tests.py CHECKOUT --json /tmp/xla_tests.json            # keep results
 
 The checkout is a pytorch/xla source tree fetched by the developer (not part of torchacc, not in
-CI; its ``test/`` and ``examples/``: test_assume_pure*.py import a model from ``examples/``); the number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
+CI; its ``test/`` and ``examples/``: test_assume_pure*.py import a model from ``examples/``); the
+number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
 top-level ``test/test_*.py`` (torch_xla's ``test_mp_*`` scripts included) runs in a fresh process
 through the alias (``python -m torchacc.run_torch_xla FILE``), one at a time, with torch_xla's own
 one-device CPU environment (``PJRT_DEVICE=CPU CPU_NUM_DEVICES=1``, ``TORCH_TEST_DEVICES`` =

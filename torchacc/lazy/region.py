@@ -1,9 +1,9 @@
-"""Traced regions on torchacc tensors: ``assume_pure(fn)`` and ``while_loop(cond_fn, body_fn, ...)``.
+"""Traced regions on torchacc tensors: ``assume_pure(fn)`` and ``while_loop(cond, body, ...)``.
 
-Both trace a function once on fake torchacc tensors (AOTAutograd's functional forward graph, no
+Both trace a function once on fake torchacc tensors (make_fx of its functionalized form, no
 autograd) and record one node whose lowering replays the graph (Note [Traced regions] in
 torchacc/lowering/region.py). Tensors the function closes over (module weights, a captured
-tensor) are found during a first trace and lifted to extra inputs in a second one, so the node
+tensor) are swapped for fakes as the trace meets them and become extra graph inputs, so the node
 reads their current values every step. On tensors of other devices ``while_loop`` is torch's own.
 """
 
@@ -30,6 +30,12 @@ class Traced:
         self.out_spec = out_spec
         self.out_consts = out_consts  # non-tensor output leaves, as returned at trace time
         self.out_pos = out_pos  # per tensor output, its position among the output leaves
+
+
+_WRITES = (
+    "torchacc: {op} in {what} writes into a tensor the function closes over; a traced region "
+    "must not modify tensors it does not create"
+)
 
 
 def _fake(mode, t):
@@ -60,10 +66,7 @@ class _Lift(torch.utils._python_dispatch.TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         flat, spec = tree_flatten((args, kwargs or {}))
         if any(type(a) is LazyTensor for a in flat) and func._schema.is_mutable:
-            raise ValueError(
-                f"torchacc: {func} writes into a tensor the traced function closes over; a "
-                "traced region must not modify tensors it does not create"
-            )
+            raise ValueError(_WRITES.format(what="the traced function", op=func))
         args, kwargs = tree_unflatten([self._swap(a) for a in flat], spec)
         return func(*args, **kwargs)
 
@@ -86,6 +89,10 @@ def _graph(fn, fakes, mode, what):
                 f"torchacc: {what} reads a tensor's value on the host ({e}); a traced region "
                 "cannot branch on device data"
             ) from None
+        except RuntimeError as e:  # functionalization met the write before the Lift mode did
+            if "mutating a non-functional tensor" not in str(e):
+                raise
+            raise ValueError(_WRITES.format(what=what, op="an in-place op")) from None
 
 
 def trace(fn, flat_args, what):
@@ -254,4 +261,3 @@ def while_loop(cond_fn, body_fn, carried_inputs):
         )
     outs = ops.while_loop(flat, extra, cond.key, body.key)
     return tuple(tree_unflatten(list(outs), spec))
-

@@ -31,6 +31,7 @@ _FAMILIES = (
     "metas",
     "scan",
     "region",
+    "rnn_cells",
 )
 
 

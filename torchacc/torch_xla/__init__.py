@@ -94,6 +94,11 @@ from torchacc.torch_xla import _XLAC, _xla_device, runtime  # noqa: E402, F401
 
 _xla_device.install()  # device="xla" means the torchacc device (Note [The xla device string])
 
+# as torch_xla does on import: nn.GRU becomes the scan-based GRU (its time loop is one scan)
+from torchacc.torch_xla.experimental import gru as _gru  # noqa: E402
+
+_gru.install()
+
 __all__ = [
     "compile",
     "device",

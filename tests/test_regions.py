@@ -1,0 +1,143 @@
+"""Traced regions (torchacc/lazy/region.py): torch's ``while_loop`` / torch_xla's ``fori_loop`` as
+one ``lax.while_loop`` node, ``assume_pure`` as one ``call_graph`` node, and the scan-based GRU
+with the fused GRU cell torch's own ``nn.GRU`` calls on the device; results against eager CPU.
+"""
+
+import copy
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from compile_counts import new_graphs
+
+import torchacc
+from torchacc import metrics
+from torchacc.lazy.record import value_of
+from torchacc.program.key import _collect
+from torchacc.torch_xla.experimental import assume_pure as ap
+from torchacc.torch_xla.experimental import fori_loop as fl
+from torchacc.torch_xla.experimental.gru import GRU
+
+DEV = torch.device("torchacc")
+# after fori_loop's import, torch's while_loop takes torchacc tensors
+torch_while_loop = sys.modules["torch._higher_order_ops.while_loop"].while_loop
+
+
+def _pending_ops(tensors):
+    order, _ = _collect([value_of(t) for t in tensors])
+    return [n.op.rule.name for n in order]
+
+
+def test_while_loop_with_closure_matches_python_loop_and_reuses_its_program():
+    torch.manual_seed(0)
+    lin = nn.Linear(4, 4)
+    scale = torch.rand(4)
+    x = torch.randn(3, 4)
+    lin_d, scale_d = copy.deepcopy(lin).to(DEV), scale.to(DEV)
+
+    def body(i, h, total):  # reads a module's weights and a captured tensor
+        h = torch.tanh(lin_d(h)) * scale_d
+        return i - 1, h, total + h.sum().to(total.dtype)
+
+    with torch.no_grad():
+        ref_h, ref_total = x, torch.tensor(0.0, dtype=torch.float64)
+        for _ in range(5):
+            ref_h = torch.tanh(lin(ref_h)) * scale
+            ref_total = ref_total + ref_h.sum().double()
+        metrics.clear_all()
+        for step in range(2):
+            init = (torch.tensor(5, device=DEV), x.to(DEV), torch.zeros((), dtype=torch.float64))
+            init = (init[0], init[1], init[2].to(DEV))
+            i, h, total = torch_while_loop(lambda i, h, t: i > 0, body, init)
+            assert _pending_ops([h]).count("torchacc.while_loop.default") == 1
+            torchacc.sync()
+            assert int(i.cpu()) == 0
+            torch.testing.assert_close(h.cpu(), ref_h, atol=1e-6, rtol=1e-5)
+            torch.testing.assert_close(total.cpu(), ref_total, atol=1e-5, rtol=1e-6)
+            assert new_graphs() == 1  # the second step reuses the first one's program
+        # fori_loop: torch_xla's layout [spent counter, *values]
+        out = fl.fori_loop(0, 3, lambda v: v * 2, torch.ones(2, device=DEV))
+        torchacc.sync()
+        assert int(out[0].cpu()) == 0 and out[1].cpu().tolist() == [8.0, 8.0]
+        # on CPU tensors it is torch's own while_loop
+        cpu = torch_while_loop(lambda i: i < 3, lambda i: (i + 1,), (torch.tensor(0),))
+        assert int(cpu[0]) == 3
+
+
+def test_while_loop_bad_input_errors_name_the_problem():
+    i, x = torch.tensor(2, device=DEV), torch.ones(2, device=DEV)
+    with torch.no_grad():
+        with pytest.raises(ValueError, match="changed carried input 1 from shape"):
+            fl.while_loop(lambda i, x: i > 0, lambda i, x: (i - 1, x.sum()), (i, x))
+        with pytest.raises(ValueError, match="one bool scalar"):
+            fl.while_loop(lambda i, x: x > 0, lambda i, x: (i - 1, x), (i, x))
+        with pytest.raises(ValueError, match="carried input 1 is a int"):
+            fl.while_loop(lambda i, x: i > 0, lambda i, x: (i - 1, x), (i, 3))
+        with pytest.raises(ValueError, match="cpu tensor"):
+            fl.while_loop(lambda i, x: i > 0, lambda i, x: (i - 1, x), (i, torch.ones(2)))
+    w = torch.ones(2, device=DEV, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="no backward"):
+        fl.while_loop(lambda i, x: i > 0, lambda i, x: (i - 1, x * w), (i, x))
+
+
+def test_assume_pure_traces_once_reads_closures_live_and_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.ReLU(), nn.Linear(8, 3))
+    model_d = copy.deepcopy(model).to(DEV)
+    bias = torch.randn(3)
+    bias_d = bias.to(DEV)
+    calls = []
+
+    def f(params, x, k):  # params passed in; bias_d read from the closure; k a Python value
+        calls.append(1)
+        y = torch.func.functional_call(model_d, params, (x,))
+        y = y.clone()
+        y += bias_d  # in-place on its own tensor: functionalized
+        return {"y": y * k, "k": k}
+
+    pure = ap.assume_pure_torch(f, use_cache=True)
+    with torch.no_grad():
+        for step in range(3):
+            x = torch.randn(5, 6)
+            out = pure(dict(model_d.named_parameters()), x.to(DEV), 2.0)
+            assert out["k"] == 2.0
+            assert _pending_ops([out["y"]]).count("torchacc.call_graph.default") == 1
+            torch.testing.assert_close(out["y"].cpu(), (model(x) + bias) * 2.0)
+            bias.add_(1.0)  # the closure is read live, not baked into the graph
+            bias_d.add_(1.0)
+        assert len(calls) == 1
+        pure(dict(model_d.named_parameters()), torch.randn(2, 6, device=DEV), 2.0)
+        assert len(calls) == 2  # a new input shape traces again
+        with pytest.raises(ValueError, match="writes into a tensor the function closes over"):
+            ap.assume_pure_torch(lambda a: bias_d.add_(a))(torch.ones(3, device=DEV))
+        with pytest.raises(NotImplementedError, match="random op"):
+            ap.assume_pure_torch(lambda a: a + torch.rand_like(a))(torch.ones(3, device=DEV))
+    with pytest.raises(NotImplementedError, match="forward only"):
+        ap.assume_pure_torch(lambda a: a * 2)(torch.ones(2, device=DEV, requires_grad=True))
+
+
+@pytest.mark.parametrize("bias,batch_first", [(True, False), (False, True)])
+def test_gru_scan_and_torch_gru_on_device_match_eager(bias, batch_first):
+    torch.manual_seed(0)
+    ref = nn.GRU(5, 7, num_layers=2, bias=bias, batch_first=batch_first)
+    scan_gru = GRU(5, 7, num_layers=2, bias=bias, batch_first=batch_first)
+    scan_gru.load_state_dict(ref.state_dict())  # torchacc swaps parameters on load
+    x = torch.randn(3, 6, 5) if batch_first else torch.randn(6, 3, 5)
+    h = torch.randn(2, 3, 7)
+    xr, hr = x.clone().requires_grad_(), h.clone().requires_grad_()
+    out, hn = ref(xr, hr)
+    (out.sum() + hn.sum()).backward()
+    models = [scan_gru.to(DEV)]
+    if not batch_first:  # torch's GRU transposes its batch-first output in place (unsupported)
+        models.append(copy.deepcopy(ref).to(DEV))  # its fused GRU cell, forward and backward
+    for m in models:
+        xd, hd = x.to(DEV).requires_grad_(), h.to(DEV).requires_grad_()
+        od, hnd = m(xd, hd)
+        (od.sum() + hnd.sum()).backward()
+        torchacc.sync()
+        for a, b in ((od, out), (hnd, hn), (xd.grad, xr.grad), (hd.grad, hr.grad)):
+            torch.testing.assert_close(a.cpu(), b.detach(), atol=1e-5, rtol=1e-5)
+        for (name, p), q in zip(ref.named_parameters(), m.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5, msg=name)
+    assert type(GRU(5, 7, bidirectional=True)) is torch.nn.modules.rnn.GRU
