@@ -129,10 +129,9 @@ def test_gru_scan_and_torch_gru_on_device_match_eager(bias, batch_first):
     xr, hr = x.clone().requires_grad_(), h.clone().requires_grad_()
     out, hn = ref(xr, hr)
     (out.sum() + hn.sum()).backward()
-    models = [scan_gru.to(DEV)]
-    if not batch_first:  # torch's GRU transposes its batch-first output in place (unsupported)
-        models.append(copy.deepcopy(ref).to(DEV))  # its fused GRU cell, forward and backward
-    for m in models:
+    # torch's own GRU on the device: its fused GRU cell forward and backward, and (batch_first)
+    # the in-place transpose of its output
+    for m in (scan_gru.to(DEV), copy.deepcopy(ref).to(DEV)):
         xd, hd = x.to(DEV).requires_grad_(), h.to(DEV).requires_grad_()
         od, hnd = m(xd, hd)
         (od.sum() + hnd.sum()).backward()
@@ -142,3 +141,19 @@ def test_gru_scan_and_torch_gru_on_device_match_eager(bias, batch_first):
         for (name, p), q in zip(ref.named_parameters(), m.parameters()):
             torch.testing.assert_close(q.grad.cpu(), p.grad, atol=1e-5, rtol=1e-5, msg=name)
     assert type(GRU(5, 7, bidirectional=True)) is torch.nn.modules.rnn.GRU
+
+
+def test_inplace_view_ops_change_the_tensor_like_eager():
+    a = torch.arange(6.0).reshape(2, 3)
+    t = a.to(DEV)
+    row = t[0]  # a view taken before: it still sees writes through the transposed tensor
+    t.transpose_(0, 1)
+    a.transpose_(0, 1)
+    assert t.shape == a.shape and t.stride() == a.stride()
+    t.mul_(2)
+    a.mul_(2)
+    u = torch.ones(3, 1, device=DEV).squeeze_(1).unsqueeze_(0)
+    torchacc.sync()
+    torch.testing.assert_close(t.cpu(), a)
+    torch.testing.assert_close(row.cpu(), a.t()[0])
+    assert u.shape == (1, 3)

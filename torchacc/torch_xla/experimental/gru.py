@@ -37,27 +37,10 @@ class GRU(_GRU):
             raise ValueError(f"GRU: proj_size={kwargs['proj_size']} is not supported by nn.GRU")
         super().__init__(*args, **kwargs)
 
-    def _init_flat_weights(self) -> None:
-        # strong references where nn.GRU keeps weak ones (it only compares them to spot a
-        # replaced weight): torchacc swaps parameters on load_state_dict / .to()
-        # (torch.__future__'s swap_module_params_on_conversion), which a weak reference blocks
-        super()._init_flat_weights()
-        self._flat_weight_refs = [None if w is None else _Ref(w) for w in self._flat_weights]
-
     def forward(self, input, hx=None):
         if type(input) is not LazyTensor or isinstance(input, PackedSequence):
             return _GRU.forward(self, input, hx)
         return _scan_forward(self, input, hx)
-
-
-class _Ref:
-    __slots__ = ("w",)
-
-    def __init__(self, w):
-        self.w = w
-
-    def __call__(self):
-        return self.w
 
 
 def _scan_forward(gru, input, hx):
