@@ -157,3 +157,57 @@ def test_inplace_view_ops_change_the_tensor_like_eager():
     torch.testing.assert_close(t.cpu(), a)
     torch.testing.assert_close(row.cpu(), a.t()[0])
     assert u.shape == (1, 3)
+
+
+def test_gradient_accumulation_matches_eager_accumulation_in_one_loop():
+    from torchacc.torch_xla.experimental.gradient_accumulation import gradient_accumulation
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].bias.requires_grad_(False)  # frozen: no gradient, left alone
+    model_d = copy.deepcopy(model).to(DEV)
+    x, y = torch.randn(3, 5, 4), torch.randn(3, 5, 2)
+
+    def step(m, xb, yb, count):
+        loss = nn.functional.mse_loss(m(xb), yb)
+        return loss, count + 1
+
+    ref_loss, count = 0.0, torch.tensor(0)
+    for k in range(3):
+        loss, count = step(model, x[k], y[k], count)
+        (loss / 3).backward()
+        ref_loss += float(loss) / 3
+    metrics.clear_all()
+    for _ in range(2):
+        loss_d, count_d = gradient_accumulation(
+            lambda xb, yb, c: step(model_d, xb, yb, c),
+            (x.to(DEV), y.to(DEV)),
+            model_d,
+            torch.tensor(0, device=DEV),
+        )
+        assert _pending_ops([loss_d]).count("torchacc.while_loop.default") == 1
+        torchacc.sync()
+        assert int(count_d.cpu()) == 3
+        torch.testing.assert_close(float(loss_d.cpu()), ref_loss, atol=1e-6, rtol=1e-5)
+    assert new_graphs() == 2  # the loop's program, then the one that also adds into .grad
+    for (name, p), q in zip(model.named_parameters(), model_d.parameters()):
+        if p.grad is None:
+            assert q.grad is None, name
+        else:  # two accumulations
+            torch.testing.assert_close(q.grad.cpu(), 2 * p.grad, atol=1e-6, rtol=1e-5, msg=name)
+
+    def noisy(xb, yb, t):  # a random op: a fresh key per iteration
+        return nn.functional.mse_loss(model_d(xb), yb), torch.rand_like(t) - t
+
+    with pytest.raises(AssertionError, match="writes in place into its input"):
+        gradient_accumulation(
+            lambda xb, yb, c: (model_d(xb).sum(), c.add_(1)),
+            (x.to(DEV), y.to(DEV)),
+            model_d,
+            torch.tensor(0, device=DEV),
+        )
+    _, t = gradient_accumulation(noisy, (x.to(DEV), y.to(DEV)), model_d, torch.zeros(2, device=DEV))
+    torchacc.sync()
+    assert bool((t.cpu() != 0).all())
+    with pytest.raises(ValueError, match="cannot be empty"):
+        gradient_accumulation(noisy, (), model_d)

@@ -38,9 +38,10 @@ _WRITES = (
 )
 
 
-def _fake(mode, t):
+def _fake(mode, t, requires_grad=False):
     with mode:
-        return torch.empty(tuple(t.shape), dtype=t.dtype, device="torchacc")
+        f = torch.empty(tuple(t.shape), dtype=t.dtype, device="torchacc")
+    return f.requires_grad_(requires_grad)
 
 
 class _Lift(torch.utils._python_dispatch.TorchDispatchMode):
@@ -71,19 +72,22 @@ class _Lift(torch.utils._python_dispatch.TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _graph(fn, fakes, mode, what):
-    """The functional FX graph of ``fn`` on ``fakes`` (``fn`` runs once)."""
+def _graph(fn, fakes, mode, what, grad):
+    """The functional FX graph of ``fn`` on ``fakes`` (``fn`` runs once; under autograd with
+    ``grad``, so that ``fn`` can take gradients itself)."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from torchacc.lazy.scan import _decompositions
 
-    traced = make_fx(
-        torch.func.functionalize(fn, remove="mutations_and_views"),
-        decomposition_table=_decompositions(),
-    )
-    with mode, torch.no_grad():
+    decomps = _decompositions()
+    with mode, torch.set_grad_enabled(grad):
         try:
-            return traced(*fakes)
+            if grad:  # autograd first (it cannot run inside functionalize), then functionalize
+                fn = make_fx(fn, decomposition_table=decomps)(*fakes)
+                fakes = [f.detach() for f in fakes]
+                torch.set_grad_enabled(False)
+            functional = torch.func.functionalize(fn, remove="mutations_and_views")
+            return make_fx(functional, decomposition_table=decomps)(*fakes)
         except torch._subclasses.fake_tensor.DataDependentOutputException as e:
             raise ValueError(
                 f"torchacc: {what} reads a tensor's value on the host ({e}); a traced region "
@@ -95,12 +99,13 @@ def _graph(fn, fakes, mode, what):
             raise ValueError(_WRITES.format(what=what, op="an in-place op")) from None
 
 
-def trace(fn, flat_args, what):
-    """Trace ``fn(*flat_args) -> pytree`` into a registered graph; returns a ``Traced``."""
+def trace(fn, flat_args, what, grad_args=()):
+    """Trace ``fn(*flat_args) -> pytree`` into a registered graph; returns a ``Traced``.
+    ``grad_args``: positions whose placeholders require grad (``fn`` differentiates itself)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     mode = FakeTensorMode(allow_fallback_kernels=False)
-    fakes = [_fake(mode, t) for t in flat_args]
+    fakes = [_fake(mode, t, i in grad_args) for i, t in enumerate(flat_args)]
     found: dict = {}
     out = {}
 
@@ -114,7 +119,8 @@ def trace(fn, flat_args, what):
         out["spec"], out["leaves"], out["pos"] = spec, leaves, pos
         return tuple(leaves[i] for i in pos)
 
-    gm = _graph(first, fakes, mode, what)
+    gm = _graph(first, fakes, mode, what, bool(grad_args))
+    _check_no_input_writes(gm, what)
     entries = sorted(found.values(), key=lambda e: e[0])
     if entries:
         _lift_constants(gm, entries)
@@ -122,6 +128,19 @@ def trace(fn, flat_args, what):
     key = ops.add(ops.Graph(gm, what))
     consts = [None if i in out["pos"] else v for i, v in enumerate(out["leaves"])]
     return Traced(key, closures, out["spec"], consts, out["pos"])
+
+
+def _check_no_input_writes(gm, what):
+    """Functionalization turns a write into an input into a copy back at the end: refused (a
+    region is a function of its inputs; the write would be lost or repeated)."""
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+            if n.args[0] in places:
+                raise ValueError(
+                    f"torchacc: {what} writes in place into its input {places.index(n.args[0])} "
+                    f"(shape {tuple(n.args[0].meta['val'].shape)}); return a new tensor instead"
+                )
 
 
 def _lift_constants(gm, entries):
@@ -200,6 +219,11 @@ def assume_pure(fn, use_cache=True, cache=None):
                 return fn(*a, **k)
 
             traced = trace(flat_fn, tensors, what)
+            if ops.GRAPHS[traced.key].rng:
+                raise NotImplementedError(
+                    f"torchacc: {what} uses random ops; a pure function has no RNG state of "
+                    "its own on torchacc (pass random tensors in as arguments)"
+                )
             if use_cache:
                 store[sig] = traced
         outs = ops.call_graph([*tensors, *traced.closures], traced.key)
@@ -215,21 +239,25 @@ def assume_pure(fn, use_cache=True, cache=None):
 # while_loop
 
 
-def while_loop(cond_fn, body_fn, carried_inputs):
+def while_loop(cond_fn, body_fn, carried_inputs, additional_inputs=(), grad_inputs=()):
     """torch's ``while_loop(cond_fn, body_fn, carried_inputs)`` on torchacc tensors: one
-    ``lax.while_loop``; ``cond_fn(*carried)`` is a bool scalar tensor, ``body_fn(*carried)``
-    returns the new carried values (same structure, shapes and dtypes). Forward only."""
+    ``lax.while_loop``; ``cond_fn(*carried, *additional_inputs)`` is a bool scalar tensor,
+    ``body_fn`` (same arguments) returns the new carried values (same structure, shapes and
+    dtypes). No autograd through the loop; ``grad_inputs`` (positions in ``additional_inputs``)
+    are traced as requiring grad, for a body that takes gradients itself."""
     flat, spec = tree_flatten(tuple(carried_inputs))
+    additional = list(additional_inputs)
     for i, v in enumerate(flat):
         if not isinstance(v, torch.Tensor):
             raise ValueError(
                 f"torchacc: while_loop carried input {i} is a {type(v).__name__}; on torchacc "
                 "every carried input must be a tensor"
             )
-    _check_torchacc(flat, "while_loop")
+    _check_torchacc([*flat, *additional], "while_loop")
+    n = len(flat)
 
     def call(f):
-        return lambda *ts: f(*tree_unflatten(list(ts), spec))
+        return lambda *ts: f(*tree_unflatten(list(ts[:n]), spec), *ts[n:])
 
     def flat_body(*ts):
         new, new_spec = tree_flatten(tuple(call(body_fn)(*ts)))
@@ -240,8 +268,10 @@ def while_loop(cond_fn, body_fn, carried_inputs):
             )
         return tuple(new)
 
-    body = trace(flat_body, flat, "while_loop body_fn")
-    cond = trace(call(cond_fn), flat, "while_loop cond_fn")
+    args = [*flat, *additional]
+    grads = tuple(n + i for i in grad_inputs)
+    body = trace(flat_body, args, "while_loop body_fn", grads)
+    cond = trace(call(cond_fn), args, "while_loop cond_fn")
     b, c = ops.GRAPHS[body.key], ops.GRAPHS[cond.key]
     for i, ((shape, dtype), v) in enumerate(zip(b.out_meta, flat)):
         if shape != tuple(v.shape) or dtype != v.dtype:
@@ -253,11 +283,14 @@ def while_loop(cond_fn, body_fn, carried_inputs):
         raise ValueError(
             f"torchacc: while_loop cond_fn must return one bool scalar tensor, got {c.out_meta}"
         )
-    extra = [*body.closures, *cond.closures]  # body's first (Note [Traced regions])
+    extra = [*additional, *body.closures, *cond.closures]  # Note [Traced regions]
     if torch.is_grad_enabled() and any(v.requires_grad for v in (*flat, *extra)):
         raise NotImplementedError(
             "torchacc: while_loop has no backward on torchacc; run it under torch.no_grad() "
             "(a carried input or a tensor the functions read requires grad)"
         )
-    outs = ops.while_loop(flat, extra, cond.key, body.key)
+    if c.rng:
+        raise NotImplementedError("torchacc: while_loop cond_fn uses random ops")
+    op = ops.while_loop_rng if b.rng else ops.while_loop
+    outs = op(flat, extra, cond.key, body.key)
     return tuple(tree_unflatten(list(outs), spec))

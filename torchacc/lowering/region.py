@@ -11,12 +11,14 @@ node, so it is part of the step's structural key and equal traces reuse one exec
 - ``call_graph(args, graph)`` replays the graph's nodes with their lowering rules in the step's
   program (as the lazy recorder would have recorded them one by one, minus the per-op recording).
 - ``while_loop(carried, extra, cond, body)`` is one ``jax.lax.while_loop``: ``cond`` and ``body``
-  take ``(*carried, *their closures)`` (``extra`` is the body's closures, then the
-  condition's); ``body`` returns the new carried values (same shapes and dtypes).
+  take ``(*carried, *additional inputs, *their closures)`` (``extra`` is the additional inputs,
+  the body's closures, then the condition's); ``body`` returns the new carried values (same
+  shapes and dtypes). ``while_loop_rng`` is the same for a body with random ops: it is a random
+  op itself (it takes and advances the device RNG state) and splits a fresh key per iteration.
 
-A graph must lower completely (no CPU fallback inside a region) and hold no random op (the region
-has no RNG state of its own): both are refused by name when the graph is made, before anything is
-recorded.
+A graph must lower completely: an op with no rule is refused by name when the graph is made,
+before anything is recorded (a region cannot fall back to the CPU). ``call_graph`` has no RNG
+state of its own, so ``assume_pure`` refuses random ops.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torchacc.lowering.scan import run_graph
 _lib = torch.library.Library("torchacc", "FRAGMENT")
 _lib.define("call_graph(Tensor[] args, str graph) -> Tensor[]")
 _lib.define("while_loop(Tensor[] carried, Tensor[] extra, str cond, str body) -> Tensor[]")
+_lib.define("while_loop_rng(Tensor[] carried, Tensor[] extra, str cond, str body) -> Tensor[]")
 
 GRAPHS: dict = {}  # key -> Graph
 
@@ -46,7 +49,7 @@ class Graph:
         self.what = what
         self.placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
         self.consts = _constants(gm, what)
-        _check_lowerable(gm, what)
+        self.rng = _check_lowerable(gm, what)  # holds random ops
         out = next(n for n in gm.graph.nodes if n.op == "output")
         self.out_meta = tuple(_meta(a, what) for a in out.args[0])
         self.key = self._key()
@@ -61,10 +64,11 @@ class Graph:
             h.update(np.ascontiguousarray(arr).tobytes())
         return f"{self.what.split()[0]}-{h.hexdigest()[:32]}"
 
-    def run(self, arrays):
-        """The graph's outputs for ``arrays`` (one per placeholder), inside a JAX trace."""
+    def run(self, arrays, key=None):
+        """The graph's outputs for ``arrays`` (one per placeholder), inside a JAX trace; ``key``
+        feeds its random ops."""
         env = dict(zip(self.placeholders, arrays))
-        return run_graph(self.gm, env, self.consts)
+        return run_graph(self.gm, env, self.consts, key)
 
 
 def _meta(node, what):
@@ -92,6 +96,7 @@ def _constants(gm, what):
 
 
 def _check_lowerable(gm, what):
+    rng = False
     for n in gm.graph.nodes:
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
@@ -103,11 +108,8 @@ def _check_lowerable(gm, what):
                 f"torchacc: {what} uses {n.target}, which has no torchacc lowering; a traced "
                 "region cannot fall back to the CPU"
             )
-        if rule.rng:
-            raise NotImplementedError(
-                f"torchacc: {what} uses the random op {n.target}; random ops inside a traced "
-                "region are not supported on torchacc"
-            )
+        rng = rng or rule.rng
+    return rng
 
 
 def add(graph):
@@ -132,8 +134,10 @@ def _while_loop_meta(carried, extra, cond, body):
 
 _lib.impl("call_graph", _call_graph_meta, "Meta")
 _lib.impl("while_loop", _while_loop_meta, "Meta")
+_lib.impl("while_loop_rng", _while_loop_meta, "Meta")
 call_graph = torch.ops.torchacc.call_graph.default
 while_loop = torch.ops.torchacc.while_loop.default
+while_loop_rng = torch.ops.torchacc.while_loop_rng.default
 
 
 @register(call_graph)
@@ -143,17 +147,34 @@ def _call_graph(args, graph):
 
 @register(while_loop)
 def _while_loop(carried, extra, cond, body):
-    c, b = _get(cond), _get(body)
-    nb = len(b.placeholders) - len(carried)  # extra = (*body's closures, *cond's closures)
-    b_extra, c_extra = list(extra[:nb]), list(extra[nb:])
+    return _loop(carried, extra, cond, body, None)
 
-    def keep_going(vals):
+
+@register(while_loop_rng, rng=True)
+def _while_loop_rng(carried, extra, cond, body, rng):
+    return _loop(carried, extra, cond, body, rng)
+
+
+def _loop(carried, extra, cond, body, rng):
+    c, b = _get(cond), _get(body)
+    nc = len(carried)
+    # extra = (*additional inputs, *body's closures, *cond's closures); both graphs read
+    # (*carried, *additional, *their closures)
+    nb, ncc = len(b.placeholders) - nc, len(c.placeholders) - nc
+    na = nb + ncc - len(extra)
+    extra = list(extra)
+    b_extra, c_extra = extra[:nb], extra[:na] + extra[nb:]
+
+    def keep_going(state):
+        vals, key = state
         return c.run([*vals, *c_extra])[0].reshape(())
 
-    def step(vals):
-        return [
-            r.astype(v.dtype) if r.dtype != v.dtype else r
-            for r, v in zip(b.run([*vals, *b_extra]), vals)
-        ]
+    def step(state):
+        vals, key = state
+        sub = None
+        if key is not None:  # a fresh key per iteration for the body's random ops
+            key, sub = jax.random.split(key)
+        new = b.run([*vals, *b_extra], sub)
+        return [r.astype(v.dtype) if r.dtype != v.dtype else r for r, v in zip(new, vals)], key
 
-    return list(jax.lax.while_loop(keep_going, step, list(carried)))
+    return list(jax.lax.while_loop(keep_going, step, (list(carried), rng))[0])

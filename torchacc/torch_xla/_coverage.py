@@ -220,6 +220,7 @@ API = {
     "torch_xla.experimental.fori_loop": ["fori_loop", "while_loop"],
     "torch_xla.experimental.assume_pure": ["assume_pure", "assume_pure_torch", "PureModule"],
     "torch_xla.experimental.gru": ["GRU"],
+    "torch_xla.experimental.gradient_accumulation": ["gradient_accumulation"],
     "torch_xla.backends": ["set_mat_mul_precision", "get_mat_mul_precision"],
     "torch_xla.test.test_utils": [
         "mp_test",
