@@ -1,0 +1,50 @@
+"""torch_xla.compile(f, max_different_graphs=N) (torchacc/torch_xla/_graph_limit.py) and the
+profiler server's one-per-process rule (torch_xla.debug.profiler)."""
+
+import pytest
+import torch
+
+import torchacc
+import torchacc.torch_xla as torch_xla
+from torchacc.torch_xla.debug import profiler as xp
+
+DEV = torchacc.device()
+
+
+def test_max_different_graphs_counts_traces_and_names_the_diverging_op():
+    def f(x, mode):
+        r = x + x
+        if mode == "mul":
+            return r * 2
+        if mode == "add":
+            return r + x
+        return r if mode == "short" else r / 3
+
+    g = torch_xla.compile(f, max_different_graphs=2)
+    x = torch.ones(4, device=DEV)
+    assert g(x, "mul").cpu().tolist() == [4.0] * 4
+    assert g(x, "add").cpu().tolist() == [3.0] * 4  # a second graph: allowed
+    assert g(x, "mul").cpu().tolist() == [4.0] * 4  # a known trace: no new graph
+    add = "[] aten::add, xla_shape=f32[4]{0}, dynamic_dims: ()"
+    mul = "[] aten::mul, xla_shape=f32[4]{0}, dynamic_dims: ()"
+    with pytest.raises(RuntimeError, match="exceeded: 2\nGot: .*aten::div") as e:
+        g(x, "div")
+    assert f"Expected either of:\n  - {mul}\n  - {add}\n" in str(e.value)
+    with pytest.raises(RuntimeError, match="Reached the end of the function at") as e:
+        g(x, "short")
+    assert str(e.value).startswith("Maximum number of different graphs allowed per function")
+    with pytest.raises(RuntimeError, match=r"Got: .*f32\[2\]\{0\}"):  # another input shape
+        g(torch.ones(2, device=DEV), "mul")
+    with pytest.raises(ValueError, match="max_different_graphs=0"):
+        torch_xla.compile(f, max_different_graphs=0)(x, "mul")
+
+
+def test_profiler_server_is_started_once_per_process(monkeypatch):
+    started = []
+    monkeypatch.setattr(xp, "_server", [None, None])
+    monkeypatch.setattr(xp.jax.profiler, "start_server", lambda port: started.append(port) or port)
+    assert xp.start_server(8005) == 8005
+    assert xp.start_server(8005) == 8005  # the same port: the running server
+    assert started == [8005]
+    with pytest.raises(RuntimeError, match="already runs on port 8005"):
+        xp.start_server(8006)
