@@ -48,3 +48,32 @@ def test_profiler_server_is_started_once_per_process(monkeypatch):
     assert started == [8005]
     with pytest.raises(RuntimeError, match="already runs on port 8005"):
         xp.start_server(8006)
+
+
+def test_call_jax_is_one_node_of_the_step_and_cached_per_signature():
+    import jax.numpy as jnp
+
+    from torchacc.lazy.record import value_of
+    from torchacc.program.key import _collect
+    from torchacc.torch_xla.core import xla_builder as xb
+
+    def f(inputs, k):
+        return {"y": jnp.sin(inputs["a"]) * k + inputs["b"], "s": inputs["a"].sum()}
+
+    xb._JAX_TO_XLA_COMPUTATION_CACHE.clear()
+    a = torch.arange(4.0, device=DEV) + 1
+    b = a * 3  # pending: traced into the same step, not synced first
+    out = xb.call_jax(f, ({"a": a, "b": b}, 2.0))
+    order, _ = _collect([value_of(out["y"])])
+    assert [n.op.rule.name for n in order][-1] == "torchacc.call_jax.default"
+    torchacc.sync()
+    ref = torch.arange(4.0) + 1
+    torch.testing.assert_close(out["y"].cpu(), torch.sin(ref) * 2 + ref * 3)
+    assert out["s"].cpu().item() == 10.0
+    xb.call_jax(f, ({"a": a, "b": b}, 2.0))
+    assert xb._jax_to_xla_computation_cache_elements() == 1  # same signature: traced once
+    xb.call_jax(f, ({"a": a, "b": b}, 3.0))  # another static value
+    xb.call_jax(f, ({"a": a[:2], "b": b[:2]}, 2.0))  # another shape
+    assert xb._jax_to_xla_computation_cache_elements() == 3
+    with pytest.raises(ValueError, match="cpu tensor"):
+        xb.call_jax(f, ({"a": a, "b": torch.ones(4)}, 2.0))

@@ -1,4 +1,5 @@
-"""``torch.ops.torchacc.call_graph`` and ``torchacc.while_loop``: traced FX graphs as one node.
+"""``torch.ops.torchacc.call_graph`` and ``torchacc.while_loop``: traced FX graphs as one node;
+``torchacc.call_jax``: a JAX function as one node (torch_xla's ``xb.call_jax``).
 
 Note [Traced regions]
 ``assume_pure`` and ``while_loop`` (torchacc/lazy/region.py) trace a function once, on fake
@@ -178,3 +179,44 @@ def _loop(carried, extra, cond, body, rng):
         return [r.astype(v.dtype) if r.dtype != v.dtype else r for r, v in zip(new, vals)], key
 
     return list(jax.lax.while_loop(keep_going, step, (list(carried), rng))[0])
+
+
+# -------------------------------------------------------------------------------------------------
+# call_jax: a JAX function as one node of the step
+
+_lib.define("call_jax(Tensor[] args, str fn) -> Tensor[]")
+JAX_CALLS: dict = {}  # key -> JaxCall
+
+
+class JaxCall:
+    """``fn`` called on a pytree ``treedef`` of leaves: the node's tensors at ``tensor_pos``, the
+    rest the Python values ``statics`` (position -> value); under ``precision`` (JAX's
+    default matmul precision when it was made). ``out_meta``: its results' (shape, dtype)."""
+
+    def __init__(self, fn, treedef, tensor_pos, statics, precision, out_meta, out_tree):
+        self.fn, self.treedef, self.tensor_pos = fn, treedef, tuple(tensor_pos)
+        self.statics, self.precision = dict(statics), precision
+        self.out_meta, self.out_tree = tuple(out_meta), out_tree
+        self.key = f"call_jax-{getattr(fn, '__name__', 'fn')}-{len(JAX_CALLS)}"
+        JAX_CALLS[self.key] = self
+
+    def __call__(self, arrays):
+        leaves = [self.statics.get(i) for i in range(self.treedef.num_leaves)]
+        for i, a in zip(self.tensor_pos, arrays):
+            leaves[i] = a
+        args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        with jax.default_matmul_precision(self.precision):
+            return jax.tree_util.tree_leaves(self.fn(*args, **kwargs))
+
+
+def _call_jax_meta(args, fn):
+    return [torch.empty(s, dtype=d, device="meta") for s, d in JAX_CALLS[fn].out_meta]
+
+
+_lib.impl("call_jax", _call_jax_meta, "Meta")
+call_jax = torch.ops.torchacc.call_jax.default
+
+
+@register(call_jax)
+def _call_jax(args, fn):
+    return list(JAX_CALLS[fn](list(args)))
