@@ -114,8 +114,42 @@ def test_assume_pure_traces_once_reads_closures_live_and_matches_eager():
             ap.assume_pure_torch(lambda a: bias_d.add_(a))(torch.ones(3, device=DEV))
         with pytest.raises(NotImplementedError, match="random op"):
             ap.assume_pure_torch(lambda a: a + torch.rand_like(a))(torch.ones(3, device=DEV))
-    with pytest.raises(NotImplementedError, match="forward only"):
-        ap.assume_pure_torch(lambda a: a * 2)(torch.ones(2, device=DEV, requires_grad=True))
+
+
+def test_assume_pure_backward_matches_eager():
+    torch.manual_seed(0)
+    lin = nn.Linear(5, 3)
+    lin_d = copy.deepcopy(lin).to(DEV)
+    x = torch.randn(4, 5, requires_grad=True)
+    scale = torch.randn(3)
+    scale_d = scale.to(DEV)
+
+    calls = []
+
+    def f(params, x):  # two outputs, one of them not differentiable
+        calls.append(x.device.type)
+        y = torch.func.functional_call(lin_d if x.device.type != "cpu" else lin, params, (x,))
+        return torch.tanh(y) * (scale_d if x.device.type != "cpu" else scale), x.argmax(-1)
+
+    ref, idx = f(dict(lin.named_parameters()), x)
+    (ref.sum() * 3).backward()
+    pure = ap.assume_pure(f)
+    for _ in range(2):  # the second call reuses both traces
+        xd = x.detach().to(DEV).requires_grad_()
+        for p in lin_d.parameters():
+            p.grad = None
+        out, idx_d = pure(dict(lin_d.named_parameters()), xd)
+        (out.sum() * 3).backward()
+        torchacc.sync()
+        torch.testing.assert_close(out.cpu(), ref.detach())
+        assert idx_d.cpu().tolist() == idx.tolist()
+        torch.testing.assert_close(xd.grad.cpu(), x.grad)
+        for (name, p), q in zip(lin.named_parameters(), lin_d.parameters()):
+            torch.testing.assert_close(q.grad.cpu(), p.grad, msg=name)
+    assert calls.count("torchacc") == 2  # traced once forward, once with its backward
+    w = torch.ones(3, device=DEV, requires_grad=True)
+    with pytest.raises(ValueError, match="requires grad without taking it as an argument"):
+        ap.assume_pure(lambda a: a * w)(torch.ones(3, device=DEV, requires_grad=True))
 
 
 @pytest.mark.parametrize("bias,batch_first", [(True, False), (False, True)])

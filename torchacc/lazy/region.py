@@ -154,13 +154,16 @@ def _lift_constants(gm, entries):
             last = graph.placeholder(f"closure_{k}")
         last.meta["val"] = fake
         inputs[id(fake)] = last
+    lifted = set()
     for node in list(graph.nodes):
         if node.op == "get_attr":
             ph = inputs.get(id(getattr(gm, node.target)))
             if ph is not None:
                 node.replace_all_uses_with(ph)
                 graph.erase_node(node)
-                delattr(gm, node.target)
+                lifted.add(node.target)
+    for target in lifted:  # several get_attr nodes may read one attribute
+        delattr(gm, target)
     gm.recompile()
 
 
@@ -186,10 +189,11 @@ def _check_torchacc(flat, what):
 
 def assume_pure(fn, use_cache=True, cache=None):
     """``fn`` (pure: its result depends only on its arguments and the tensors it reads) traced
-    once per input signature and recorded as one ``torchacc.call_graph`` node per call; forward
-    only (no autograd through it). Non-tensor arguments are part of the signature. ``cache``: a
-    dict to keep the traces in (keyed by the wrapper and the signature), instead of the
-    module's own."""
+    once per input signature and recorded as one ``torchacc.call_graph`` node per call.
+    Non-tensor arguments are part of the signature. Under autograd, with inputs that require
+    grad, the backward is one more node: the graph of ``fn``'s forward and backward (traced on
+    the first such call), which recomputes the forward it needs. ``cache``: a dict to keep the
+    traces in (keyed by the wrapper and the signature), instead of the module's own."""
     what = f"assume_pure({getattr(fn, '__name__', 'fn')})"
 
     @functools.wraps(fn)
@@ -199,40 +203,99 @@ def assume_pure(fn, use_cache=True, cache=None):
         if not any(type(v) is LazyTensor for v in tensors):
             return fn(*args, **kwargs)
         _check_torchacc(flat, what)
-        if torch.is_grad_enabled() and any(v.requires_grad for v in tensors):
-            raise NotImplementedError(
-                f"torchacc: {what} is forward only; call it under torch.no_grad()"
-            )
-        sig = (spec, _signature(flat))
+        grad = torch.is_grad_enabled() and any(v.requires_grad for v in tensors)
+        sig = (spec, _signature(flat), grad and tuple(v.requires_grad for v in tensors))
         store = _cache.setdefault(pure, {}) if cache is None else cache
         if cache is not None:
             sig = (pure, sig)
         traced = store.get(sig) if use_cache else None
         if traced is None:
-            where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
-
-            def flat_fn(*ts):
-                full = list(flat)
-                for i, t in zip(where, ts):
-                    full[i] = t
-                a, k = tree_unflatten(full, spec)
-                return fn(*a, **k)
-
-            traced = trace(flat_fn, tensors, what)
-            if ops.GRAPHS[traced.key].rng:
-                raise NotImplementedError(
-                    f"torchacc: {what} uses random ops; a pure function has no RNG state of "
-                    "its own on torchacc (pass random tensors in as arguments)"
-                )
+            traced = _trace_pure(fn, flat, spec, tensors, grad, what)
             if use_cache:
                 store[sig] = traced
-        outs = ops.call_graph([*tensors, *traced.closures], traced.key)
+        if grad:
+            outs = _PureCall.apply(traced, *tensors)
+        else:
+            outs = ops.call_graph([*tensors, *traced.closures], traced.key)
         leaves = list(traced.out_consts)
         for i, t in zip(traced.out_pos, outs):
             leaves[i] = t
         return tree_unflatten(leaves, traced.out_spec)
 
     return pure
+
+
+def _trace_pure(fn, flat, spec, tensors, grad, what):
+    where = [i for i, v in enumerate(flat) if isinstance(v, torch.Tensor)]
+    n = len(tensors)
+
+    def flat_fn(*ts):
+        full = list(flat)
+        for i, t in zip(where, ts):
+            full[i] = t
+        a, k = tree_unflatten(full, spec)
+        return fn(*a, **k)
+
+    traced = trace(flat_fn, tensors, what)
+    graph = ops.GRAPHS[traced.key]
+    if graph.rng:
+        raise NotImplementedError(
+            f"torchacc: {what} uses random ops; a pure function has no RNG state of its own on "
+            "torchacc (pass random tensors in as arguments)"
+        )
+    traced.joint = None
+    if not grad:
+        return traced
+    for t in traced.closures:
+        if t.requires_grad:
+            raise ValueError(
+                f"torchacc: {what} reads a tensor of shape {tuple(t.shape)} that requires grad "
+                "without taking it as an argument; pass it in, or its gradient would be lost"
+            )
+    wrt = [i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()]
+
+    def joint(*ts):  # (*inputs, *output grads) -> input grads
+        out = [v for v in tree_flatten(flat_fn(*ts[:n]))[0] if isinstance(v, torch.Tensor)]
+        pairs = [(o, g) for o, g in zip(out, ts[n:]) if o.requires_grad]
+        if not pairs:
+            return tuple(torch.zeros_like(ts[i]) for i in wrt)
+        grads = torch.autograd.grad(
+            [o for o, _ in pairs], [ts[i] for i in wrt], [g for _, g in pairs], allow_unused=True
+        )
+        return tuple(torch.zeros_like(ts[i]) if g is None else g for i, g in zip(wrt, grads))
+
+    templates = [torch.empty(s, dtype=d, device="meta") for s, d in graph.out_meta]
+    traced.joint = trace(joint, [*tensors, *templates], f"{what} backward", grad_args=wrt)
+    traced.wrt = wrt
+    return traced
+
+
+class _PureCall(torch.autograd.Function):
+    """An ``assume_pure`` call under autograd: the forward graph, then the joint graph's input
+    gradients for the backward."""
+
+    @staticmethod
+    def forward(ctx, traced, *tensors):
+        ctx.traced = traced
+        ctx.save_for_backward(*tensors)
+        return tuple(ops.call_graph([*tensors, *traced.closures], traced.key))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        traced, tensors = ctx.traced, ctx.saved_tensors
+        metas = ops.GRAPHS[traced.key].out_meta
+        device = tensors[0].device
+        grads = [
+            torch.zeros(s, dtype=d, device=device) if g is None else g
+            for g, (s, d) in zip(grads, metas)
+        ]
+        joint = traced.joint
+        outs = ops.call_graph([*tensors, *grads, *joint.closures], joint.key)
+        result = [None] * len(tensors)
+        for i, g in zip(traced.wrt, outs):
+            result[i] = g
+        return (None, *result)
 
 
 # -------------------------------------------------------------------------------------------------

@@ -12,7 +12,7 @@ _XLA_COMPUTATION_CACHE: dict = {}
 
 @differs(
     "cached per function and input signature (shapes, dtypes, non-tensor values), not per "
-    "function name; forward only, as torch_xla's"
+    "function name; differentiable (torch_xla's is forward only)"
 )
 def assume_pure_torch(func, use_cache=False):
     """``func`` traced on the torchacc device (once per input signature with ``use_cache``, on
@@ -20,10 +20,13 @@ def assume_pure_torch(func, use_cache=False):
     return region.assume_pure(func, use_cache=use_cache, cache=_XLA_COMPUTATION_CACHE)
 
 
-@differs("forward only on torchacc: a call whose inputs require grad raises NotImplementedError")
+@differs(
+    "traced with torch (not torchax); the backward recomputes the forward it needs; "
+    "add_rng_seed_argument is not implemented"
+)
 def assume_pure(fn, *, add_rng_seed_argument=False):
     """torch_xla's ``assume_pure`` (which goes through torchax and JAX): here the same traced
-    node as ``assume_pure_torch``, without its backward."""
+    node as ``assume_pure_torch``; differentiable."""
     if add_rng_seed_argument:
         raise NotImplementedError(
             "torch_xla.experimental.assume_pure: add_rng_seed_argument=True is not implemented "
@@ -36,7 +39,7 @@ j2t_autograd = not_implemented(
     "torch_xla.experimental.assume_pure.j2t_autograd", "JAX functions run via torchax; none here"
 )
 PureModule = not_implemented_class(
-    "torch_xla.experimental.assume_pure.PureModule", "needs assume_pure's backward"
+    "torch_xla.experimental.assume_pure.PureModule", "not implemented yet; use assume_pure"
 )
 
 __all__ = ["assume_pure", "assume_pure_torch", "PureModule", "j2t_autograd"]
