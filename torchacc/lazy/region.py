@@ -191,8 +191,8 @@ def assume_pure(fn, use_cache=True, cache=None):
     """``fn`` (pure: its result depends only on its arguments and the tensors it reads) traced
     once per input signature and recorded as one ``torchacc.call_graph`` node per call.
     Non-tensor arguments are part of the signature. Under autograd, with inputs that require
-    grad, the backward is one more node: the graph of ``fn``'s forward and backward (traced on
-    the first such call), which recomputes the forward it needs. ``cache``: a dict to keep the
+    grad, the backward is one more node: the forward graph and its backward (traced from the
+    forward graph, so ``fn`` runs once per signature), which recomputes the forward it needs. ``cache``: a dict to keep the
     traces in (keyed by the wrapper and the signature), instead of the module's own."""
     what = f"assume_pure({getattr(fn, '__name__', 'fn')})"
 
@@ -253,10 +253,12 @@ def _trace_pure(fn, flat, spec, tensors, grad, what):
                 "without taking it as an argument; pass it in, or its gradient would be lost"
             )
     wrt = [i for i, t in enumerate(tensors) if t.requires_grad and t.is_floating_point()]
+    # the backward is traced from the forward graph, not from fn (which runs once)
+    forward, nc = graph.gm, len(traced.closures)
 
-    def joint(*ts):  # (*inputs, *output grads) -> input grads
-        out = [v for v in tree_flatten(flat_fn(*ts[:n]))[0] if isinstance(v, torch.Tensor)]
-        pairs = [(o, g) for o, g in zip(out, ts[n:]) if o.requires_grad]
+    def joint(*ts):  # (*inputs, *closures, *output grads) -> input grads
+        out = forward(*ts[: n + nc])
+        pairs = [(o, g) for o, g in zip(out, ts[n + nc :]) if o.requires_grad]
         if not pairs:
             return tuple(torch.zeros_like(ts[i]) for i in wrt)
         grads = torch.autograd.grad(
@@ -265,7 +267,8 @@ def _trace_pure(fn, flat, spec, tensors, grad, what):
         return tuple(torch.zeros_like(ts[i]) if g is None else g for i, g in zip(wrt, grads))
 
     templates = [torch.empty(s, dtype=d, device="meta") for s, d in graph.out_meta]
-    traced.joint = trace(joint, [*tensors, *templates], f"{what} backward", grad_args=wrt)
+    args = [*tensors, *traced.closures, *templates]
+    traced.joint = trace(joint, args, f"{what} backward", grad_args=wrt)
     traced.wrt = wrt
     return traced
 
@@ -291,7 +294,7 @@ class _PureCall(torch.autograd.Function):
             for g, (s, d) in zip(grads, metas)
         ]
         joint = traced.joint
-        outs = ops.call_graph([*tensors, *grads, *joint.closures], joint.key)
+        outs = ops.call_graph([*tensors, *traced.closures, *grads, *joint.closures], joint.key)
         result = [None] * len(tensors)
         for i, g in zip(traced.wrt, outs):
             result[i] = g
