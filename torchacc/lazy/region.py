@@ -192,8 +192,9 @@ def assume_pure(fn, use_cache=True, cache=None):
     once per input signature and recorded as one ``torchacc.call_graph`` node per call.
     Non-tensor arguments are part of the signature. Under autograd, with inputs that require
     grad, the backward is one more node: the forward graph and its backward (traced from the
-    forward graph, so ``fn`` runs once per signature), which recomputes the forward it needs. ``cache``: a dict to keep the
-    traces in (keyed by the wrapper and the signature), instead of the module's own."""
+    forward graph, so ``fn`` runs once per signature), which recomputes the forward it needs.
+    ``cache``: a dict to keep the traces in (keyed by the wrapper and the signature), instead of
+    the module's own."""
     what = f"assume_pure({getattr(fn, '__name__', 'fn')})"
 
     @functools.wraps(fn)
