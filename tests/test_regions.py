@@ -245,3 +245,17 @@ def test_gradient_accumulation_matches_eager_accumulation_in_one_loop():
     assert bool((t.cpu() != 0).all())
     with pytest.raises(ValueError, match="cannot be empty"):
         gradient_accumulation(noisy, (), model_d)
+
+
+def test_assume_pure_may_copy_from_a_closure_into_its_own_tensor():
+    src = torch.arange(3.0, device=DEV)
+
+    def f(a):
+        buf = torch.empty_like(a)
+        buf.copy_(src)  # writes its own tensor, reads the closure
+        return buf + a
+
+    with torch.no_grad():
+        out = ap.assume_pure_torch(f)(torch.ones(3, device=DEV))
+        torchacc.sync()
+    assert out.cpu().tolist() == [1.0, 2.0, 3.0]

@@ -65,11 +65,22 @@ class _Lift(torch.utils._python_dispatch.TorchDispatchMode):
         return entry[2]
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func._schema.is_mutable:
+            _check_not_written(func, args, kwargs or {})
         flat, spec = tree_flatten((args, kwargs or {}))
-        if any(type(a) is LazyTensor for a in flat) and func._schema.is_mutable:
-            raise ValueError(_WRITES.format(what="the traced function", op=func))
         args, kwargs = tree_unflatten([self._swap(a) for a in flat], spec)
         return func(*args, **kwargs)
+
+
+def _check_not_written(func, args, kwargs):
+    """A closure tensor in an argument the op writes: refused (the write would be lost)."""
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        value = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        for v in value if isinstance(value, (list, tuple)) else (value,):
+            if type(v) is LazyTensor:
+                raise ValueError(_WRITES.format(what="the traced function", op=func))
 
 
 def _graph(fn, fakes, mode, what, grad):
