@@ -77,3 +77,19 @@ def test_call_jax_is_one_node_of_the_step_and_cached_per_signature():
     assert xb._jax_to_xla_computation_cache_elements() == 3
     with pytest.raises(ValueError, match="cpu tensor"):
         xb.call_jax(f, ({"a": a, "b": torch.ones(4)}, 2.0))
+
+
+def test_call_jax_inside_assume_pure():
+    import jax.numpy as jnp
+
+    from torchacc.torch_xla.core import xla_builder as xb
+    from torchacc.torch_xla.experimental.assume_pure import assume_pure_torch
+
+    def f(a, b):
+        return xb.call_jax(lambda x, y: jnp.dot(x, y), (a, b)) + 1
+
+    a, b = torch.randn(3, 3), torch.randn(3, 3)
+    with torch.no_grad():
+        out = assume_pure_torch(f)(a.to(DEV), b.to(DEV))
+        torchacc.sync()
+    torch.testing.assert_close(out.cpu(), a @ b + 1)

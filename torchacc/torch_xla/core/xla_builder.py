@@ -43,14 +43,13 @@ def call_jax(jax_func, args, kwargs=None, name=None, override_hash=None):
     JAX arrays, other leaves static Python values; the results come back as torchacc tensors
     (same pytree). Recorded as one ``torchacc.call_jax`` node, no autograd through it."""
     from torchacc import metrics
-    from torchacc.lazy.tensor import LazyTensor
     from torchacc.lowering import region
     from torchacc.lowering.dtypes import jdtype, tdtype
 
     leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs or {})))
     pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    for i in pos:
-        if type(leaves[i]) is not LazyTensor:
+    for i in pos:  # torchacc tensors, or the fakes of a traced region (assume_pure, ...)
+        if leaves[i].device.type != "torchacc":
             raise ValueError(
                 f"xb.call_jax: argument leaf {i} is a {leaves[i].device} tensor; call_jax takes "
                 "torchacc tensors (move it with .to(device))"
