@@ -259,3 +259,16 @@ def test_assume_pure_may_copy_from_a_closure_into_its_own_tensor():
         out = ap.assume_pure_torch(f)(torch.ones(3, device=DEV))
         torchacc.sync()
     assert out.cpu().tolist() == [1.0, 2.0, 3.0]
+
+
+def test_rnn_modules_load_state_dicts_under_the_swap_policy():
+    # import torchacc turns on torch's swap_module_params_on_conversion; RNNs' weak references
+    # to their weights blocked the swap (torchacc/nn/rnn.py)
+    assert torch.__future__.get_swap_module_params_on_conversion()
+    for cls in (nn.LSTM, nn.RNN, torch.nn.modules.rnn.GRU):
+        src, dst = cls(3, 4, num_layers=2), cls(3, 4, num_layers=2)
+        weight = dst.weight_ih_l0
+        dst.load_state_dict(src.state_dict())
+        assert dst.weight_ih_l0 is weight  # swapped in place: the same Parameter object
+        x = torch.randn(5, 1, 3)
+        torch.testing.assert_close(dst(x)[0], src(x)[0])
