@@ -150,7 +150,6 @@ API = {
         "XLAShard",
         "XLAPatchedLinear",
         "xla_patched_nn_linear_forward",
-        "apply_xla_patch_to_nn_linear",
         "enable_manual_sharding",
         "disable_manual_sharding",
         "_mark_manual_sharding",
