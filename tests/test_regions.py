@@ -56,6 +56,15 @@ def test_while_loop_with_closure_matches_python_loop_and_reuses_its_program():
             torch.testing.assert_close(h.cpu(), ref_h, atol=1e-6, rtol=1e-5)
             torch.testing.assert_close(total.cpu(), ref_total, atol=1e-5, rtol=1e-6)
             assert new_graphs() == 1  # the second step reuses the first one's program
+        # torch_xla's kernel: additional inputs after the carried ones, in both functions
+        i2, h2 = fl.while_loop(
+            lambda i, h, w: i > 0,
+            lambda i, h, w: (i - 1, h * w),
+            (torch.tensor(2, device=DEV), x.to(DEV)),
+            (scale_d,),
+        )
+        torchacc.sync()
+        torch.testing.assert_close(h2.cpu(), x * scale * scale)
         # fori_loop: torch_xla's layout [spent counter, *values]
         out = fl.fori_loop(0, 3, lambda v: v * 2, torch.ones(2, device=DEV))
         torchacc.sync()

@@ -24,12 +24,8 @@ _NOTE = "forward only (no autograd through the loop); carried inputs must be ten
 def while_loop(cond_fn, body_fn, carried_inputs, additional_inputs=None):
     """torch_xla's ``while_loop`` kernel: ``cond_fn``/``body_fn`` take ``(*carried,
     *additional_inputs)``; body_fn returns the new carried values."""
-    extra = tuple(additional_inputs or ())
-    if not extra:
-        return region.while_loop(cond_fn, body_fn, tuple(carried_inputs))
-    return region.while_loop(
-        lambda *c: cond_fn(*c, *extra), lambda *c: body_fn(*c, *extra), tuple(carried_inputs)
-    )
+    extra = list(additional_inputs or ())
+    return region.while_loop(cond_fn, body_fn, tuple(carried_inputs), additional_inputs=extra)
 
 
 @differs(_NOTE)
