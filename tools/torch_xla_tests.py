@@ -5,7 +5,8 @@
     python tools/torch_xla_tests.py CHECKOUT --json /tmp/xla_tests.json            # keep results
 
 The checkout is a pytorch/xla source tree fetched by the developer (not part of torchacc, not in
-CI); the number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
+CI; its ``test/`` and ``examples/``: test_assume_pure*.py import a model from ``examples/``); the
+number this script prints was measured on the commit named in benchmarks/RESULTS.md. Each
 top-level ``test/test_*.py`` (torch_xla's ``test_mp_*`` scripts included) runs in a fresh process
 through the alias (``python -m torchacc.run_torch_xla FILE``, so the device is named ``xla``:
 Note [The device's name]), one at a time, with torch_xla's own
@@ -109,7 +110,9 @@ def run_file(test_dir, name, timeout, python):
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
         PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
     )
-    cmd = [python, "-m", "torchacc.run_torch_xla", name]
+    # by absolute path, as run_tests.sh runs them ("$CDIR/test_x.py"): some files find the
+    # checkout's examples/ from their own __file__
+    cmd = [python, "-m", "torchacc.run_torch_xla", os.path.join(os.path.abspath(test_dir), name)]
     start = time.perf_counter()
     try:
         proc = subprocess.run(

@@ -39,6 +39,9 @@ _program.enable_persistent_cache()
 import torch as _torch  # noqa: E402
 
 _torch.__future__.set_swap_module_params_on_conversion(True)
+from torchacc.nn import rnn as _rnn  # noqa: E402
+
+_rnn.install()  # RNNs' weak references to their weights would block load_state_dict's swap
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
 
 

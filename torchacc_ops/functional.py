@@ -8,6 +8,8 @@ formulation with the same semantics.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.nn.functional as F
 
@@ -22,7 +24,13 @@ __all__ = [
 
 
 def _on_torchacc(t: torch.Tensor) -> bool:
-    return t.device.type == "torchacc"
+    """A tensor of torchacc's device, which ``python -m torchacc.run_torch_xla`` names ``xla``
+    (Note [The device's name] in torchacc/lazy/device.py); torchacc is not imported here."""
+    kind = t.device.type
+    if kind == "torchacc":
+        return True
+    lazy = sys.modules.get("torchacc.lazy.device") if kind == "xla" else None
+    return lazy is not None and lazy.DEVICE_TYPE == "xla"
 
 
 def _kernels():
@@ -86,7 +94,7 @@ def flash_attention(
         else:
             attn_mask = attn_mask.masked_fill(~packed, float("-inf"))
     if _on_torchacc(q):
-        q, k, v = _autocast((q, k, v), "torchacc")
+        q, k, v = _autocast((q, k, v), q.device.type)
         return _kernels().attention(q, k, v, attn_mask, dropout_p, causal, scale)
     if causal and attn_mask is not None:
         L, S = q.shape[-2], k.shape[-2]

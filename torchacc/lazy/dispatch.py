@@ -143,7 +143,40 @@ def _resize_(func, args, kwargs):
     )
 
 
+# in-place view ops: the tensor itself becomes the view (eager changes its sizes and strides)
+_VIEW_INPLACE = {
+    aten.transpose_.default: aten.transpose.int,
+    aten.t_.default: aten.t.default,
+    aten.unsqueeze_.default: aten.unsqueeze.default,
+    aten.squeeze_.default: aten.squeeze.default,
+    aten.squeeze_.dim: aten.squeeze.dim,
+    aten.squeeze_.dims: aten.squeeze.dims,
+    aten.as_strided_.default: aten.as_strided.default,
+}
+_NO_PYTHON = torch._C.DispatchKeySet(torch._C.DispatchKey.Python) | torch._C.DispatchKeySet(
+    torch._C.DispatchKey.PythonTLSSnapshot
+)
+
+
+def _view_inplace(func, args, kwargs):
+    """``t.transpose_(0, 1)`` & co.: record the view op, then make ``t`` that view -- its sizes and
+    strides (set below the Python key, as eager's kernel sets them) and its storage chain."""
+    target = args[0]
+    view_op = _VIEW_INPLACE[func]
+    view = _handler(view_op)(view_op, args, kwargs)
+    with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON):
+        aten.as_strided_.default(target, view.shape, view.stride(), view.storage_offset())
+    target._st, target._view, target._vcache, target._desc = (
+        view._st,
+        view._view,
+        view._vcache,
+        view._desc,
+    )
+    return target
+
+
 _SPECIAL = {
+    **dict.fromkeys(_VIEW_INPLACE, _view_inplace),
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,

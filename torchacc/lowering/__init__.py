@@ -30,6 +30,8 @@ _FAMILIES = (
     "segments",
     "metas",
     "scan",
+    "region",
+    "rnn_cells",
 )
 
 

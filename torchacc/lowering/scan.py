@@ -134,10 +134,10 @@ def _check_lowerable(gm, name):
             )
 
 
-def run_graph(gm, env, consts):
+def run_graph(gm, env, consts, key=None):
     """Replay ``gm``'s nodes with their rules inside a JAX trace; ``env`` maps placeholders to
     arrays. Returns the graph's outputs as a list (None where the graph returns None)."""
-    keys = [None]
+    keys = [key]  # the random ops' key (split per op); None where the graph has none
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             continue

@@ -58,22 +58,30 @@ def step():
         sync()
 
 
-@differs("always lazy: the call is one recorded step, synced on return")
-def compile(f=None, full_graph=False, name=None, num_different_graphs_allowed=None):
+@differs(
+    "always lazy: the call is one recorded step, synced on return; max_different_graphs tells "
+    "traces apart by their ops' names and output shapes"
+)
+def compile(
+    f=None, full_graph=False, name=None, max_different_graphs=None, custom_compile_options=None
+):
     """torch_xla's eager-mode ``compile``: torchacc is always lazy, so the function body is simply
-    one recorded step, synced when the call returns."""
+    one recorded step, synced when the call returns. ``max_different_graphs``: at most that many
+    different traces of ``f`` (torchacc/torch_xla/_graph_limit.py)."""
     if f is None:
         return functools.partial(
-            compile,
-            full_graph=full_graph,
-            name=name,
-            num_different_graphs_allowed=num_different_graphs_allowed,
+            compile, full_graph=full_graph, name=name, max_different_graphs=max_different_graphs
         )
 
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         sync()
-        out = f(*args, **kwargs)
+        if max_different_graphs is None:
+            out = f(*args, **kwargs)
+        else:
+            from torchacc.torch_xla import _graph_limit
+
+            out = _graph_limit.watched(f, max_different_graphs, lambda: f(*args, **kwargs))
         sync()
         return out
 
@@ -93,6 +101,11 @@ def launch(fn, args=(), start_method="spawn", debug_single_process=False):
 from torchacc.torch_xla import _XLAC, _xla_device, runtime  # noqa: E402, F401
 
 _xla_device.install()  # device="xla" means the torchacc device (Note [The xla device string])
+
+# as torch_xla does on import: nn.GRU becomes the scan-based GRU (its time loop is one scan)
+from torchacc.torch_xla.experimental import gru as _gru  # noqa: E402
+
+_gru.install()
 
 __all__ = [
     "compile",

@@ -218,6 +218,10 @@ API = {
     "torch_xla.core.xla_op_registry": ["Op", "register"],
     "torch_xla.experimental.scan": ["scan"],
     "torch_xla.experimental.scan_layers": ["scan_layers"],
+    "torch_xla.experimental.fori_loop": ["fori_loop", "while_loop"],
+    "torch_xla.experimental.assume_pure": ["assume_pure", "assume_pure_torch", "PureModule"],
+    "torch_xla.experimental.gru": ["GRU"],
+    "torch_xla.experimental.gradient_accumulation": ["gradient_accumulation"],
     "torch_xla.backends": ["set_mat_mul_precision", "get_mat_mul_precision"],
     "torch_xla.test.test_utils": [
         "mp_test",

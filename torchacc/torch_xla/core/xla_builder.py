@@ -1,8 +1,8 @@
 """``torch_xla.core.xla_builder`` (``xb``) on torchacc.
 
-``call_jax(jax_func, args, kwargs)`` works: torchacc tensors in ``args``/``kwargs`` are synced and
-passed to ``jax_func`` as JAX arrays; the results come back as torchacc tensors. Unlike torch_xla it
-runs at once (the inputs' pending step is computed first) instead of being traced into the step.
+``call_jax(jax_func, args, kwargs)`` works: torchacc tensors in ``args``/``kwargs`` are
+``jax_func``'s JAX arrays and the results come back as torchacc tensors; as in torch_xla the call
+is traced into the step (one ``torchacc.call_jax`` node, torchacc/lowering/region.py).
 Building XLA computations op by op (``Op``, ``create_computation``, ``mkop``, ...) needs torch_xla's
 C++ XlaBuilder bindings and raises ``NotImplementedError``.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 import jax
 import torch
 
-import torchacc
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
 
@@ -22,45 +21,69 @@ _NO_BUILDER = (
 )
 
 
-def _to_jax(x):
-    from torchacc.lazy.record import value_of
-
-    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
-        value = value_of(x)
-        if value.node is not None:
-            torchacc.sync()
-            value = value_of(x)
-        return value.array
-    return x
+# torch_xla's trace cache of call_jax: (function, argument tree, shapes, static values, JAX
+# config) -> the registered JAX call; clearing it makes the next call of each function retrace
+_JAX_TO_XLA_COMPUTATION_CACHE: dict = {}
 
 
-def _to_torch(x):
-    from torchacc import metrics
-    from torchacc.ir import Value, contiguous_desc
-    from torchacc.lazy.record import fresh
-    from torchacc.lazy.tensor import LazyTensor
-
-    if isinstance(x, jax.Array):
-        import numpy as np
-
-        if x.dtype.name == "bfloat16":
-            dtype = torch.bfloat16
-        else:
-            dtype = torch.from_numpy(np.zeros((), dtype=x.dtype)).dtype
-        metrics.counter_inc("CallJax")
-        out = fresh(Value(contiguous_desc(tuple(x.shape), dtype), array=x))
-        assert isinstance(out, LazyTensor)
-        return out
-    return x
+def _jax_to_xla_computation_cache_elements():
+    return len(_JAX_TO_XLA_COMPUTATION_CACHE)
 
 
-@differs("runs at once: syncs the inputs' pending step, then calls the JAX function eagerly")
+def _static_key(value):
+    try:
+        hash(value)
+        return value
+    except TypeError:
+        return repr(value)
+
+
+@differs("the call is one node of the recorded step (its JAX function traced into the program)")
 def call_jax(jax_func, args, kwargs=None, name=None, override_hash=None):
-    """``jax_func(*args, **kwargs)`` with torchacc tensors as JAX arrays and back."""
+    """``jax_func(*args, **kwargs)`` on the device: torchacc tensors in ``args``/``kwargs`` are its
+    JAX arrays, other leaves static Python values; the results come back as torchacc tensors
+    (same pytree). Recorded as one ``torchacc.call_jax`` node, no autograd through it."""
+    from torchacc import metrics
+    from torchacc.lowering import region
+    from torchacc.lowering.dtypes import jdtype, tdtype
+
     leaves, tree = jax.tree_util.tree_flatten((tuple(args), dict(kwargs or {})))
-    jargs, jkwargs = jax.tree_util.tree_unflatten(tree, [_to_jax(x) for x in leaves])
-    out = jax.jit(jax_func)(*jargs, **jkwargs)
-    return jax.tree_util.tree_map(_to_torch, out)
+    pos = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    for i in pos:  # torchacc tensors, or the fakes of a traced region (assume_pure, ...)
+        if leaves[i].device.type != DEVICE_TYPE:
+            raise ValueError(
+                f"xb.call_jax: argument leaf {i} is a {leaves[i].device} tensor; call_jax takes "
+                "torchacc tensors (move it with .to(device))"
+            )
+    statics = {i: x for i, x in enumerate(leaves) if i not in pos}
+    precision = jax.config.jax_default_matmul_precision
+    key = (
+        jax_func if override_hash is None else ("hash", override_hash),
+        tree,
+        tuple((tuple(leaves[i].shape), leaves[i].dtype) for i in pos),
+        tuple((i, _static_key(v)) for i, v in statics.items()),
+        precision,
+    )
+    call = _JAX_TO_XLA_COMPUTATION_CACHE.get(key)
+    if call is None:
+        specs = [jax.ShapeDtypeStruct(tuple(leaves[i].shape), jdtype(leaves[i].dtype)) for i in pos]
+
+        def shaped(*arrays):
+            merged = list(leaves)
+            for i, a in zip(pos, arrays):
+                merged[i] = a
+            a, k = jax.tree_util.tree_unflatten(tree, merged)
+            return jax_func(*a, **k)
+
+        with jax.default_matmul_precision(precision):
+            out = jax.eval_shape(shaped, *specs)
+        outs, out_tree = jax.tree_util.tree_flatten(out)
+        meta = [(tuple(o.shape), tdtype(o.dtype)) for o in outs]
+        call = region.JaxCall(jax_func, tree, pos, statics, precision, meta, out_tree)
+        _JAX_TO_XLA_COMPUTATION_CACHE[key] = call
+    results = region.call_jax([leaves[i] for i in pos], call.key)
+    metrics.counter_inc("CallJax", len(results))
+    return jax.tree_util.tree_unflatten(call.out_tree, list(results))
 
 
 Type = not_implemented_class("xb.Type", _NO_BUILDER)

@@ -27,9 +27,22 @@ def get_tracer_marked_step():
     return _tracer_marked_step[0]
 
 
+_server = [None, None]  # (port, server): JAX runs one profiler server per process
+
+
 def start_server(port, only_on_master=True):
-    """Start JAX's profiler server on ``port`` (returns it)."""
-    return jax.profiler.start_server(int(port))
+    """Start JAX's profiler server on ``port`` (returns it). Asking again for the same port
+    returns the running server; another port while one runs is an error (one per process)."""
+    port = int(port)
+    if _server[1] is not None:
+        if _server[0] == port:
+            return _server[1]
+        raise RuntimeError(
+            f"torch_xla.debug.profiler.start_server({port}): a profiler server already runs on "
+            f"port {_server[0]}; JAX runs one per process"
+        )
+    _server[:] = [port, jax.profiler.start_server(port)]
+    return _server[1]
 
 
 def start_trace(log_dir, create_perfetto_link=False, create_perfetto_trace=False):

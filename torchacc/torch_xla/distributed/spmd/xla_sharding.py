@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from torchacc.distributed import sharding as engine
-from torchacc.torch_xla._api import not_implemented
+from torchacc.torch_xla._api import differs, not_implemented
 
 _MANUAL = (
     "manual sharding (shard_map-style regions inside a recorded step) is not supported; "
@@ -425,6 +425,13 @@ class XLAPatchedLinear:
     @staticmethod
     def apply(input, weight, bias=None):
         return torch.nn.functional.linear(input, weight, bias)
+
+
+@differs("returns the module unchanged: torchacc already lowers nn.Linear to one dot_general")
+def apply_xla_patch_to_nn_linear(module):
+    """torch_xla swaps each ``nn.Linear`` for an einsum-based one so that its partitioner sees
+    one dot; torchacc's linear is one ``dot_general`` already, so ``module`` is returned as is."""
+    return module
 
 
 def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, output_fn=None):
