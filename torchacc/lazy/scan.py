@@ -7,19 +7,52 @@ attention, RMSNorm: torch.ops.torchacc ops) apply inside ``fn`` exactly as in th
 and a tensor ``fn`` closes over is refused by name. The autograd Function ``_Scan`` records the
 forward scan, which also returns the per-step activations the backward graph needs (stacked), and
 its backward records the reverse scan of the backward graph. Activations that are a step's own
-slice of ``xs`` are not returned: the backward reads ``xs`` itself. On other tensors (CPU, eager)
-``scan`` is the plain Python loop it stands for, the reference it is tested against.
+slice of ``xs`` are not returned: the backward reads ``xs`` itself. While ``torch.compile`` or
+``compile_step`` traces the step, ``scan`` becomes torch's own scan operator (Note [Scan on the
+trace-once frontend]). On other tensors (CPU, eager) ``scan`` is the plain Python loop it stands
+for, the reference it is tested against.
+
+Note [Scan on the trace-once frontend]
+``torch.compile(backend="torchacc")`` and ``compile_step`` see the step through dynamo/AOTAutograd
+or ``make_fx``, never as torchacc tensors, so the recorder's ``torchacc.scan`` node is out of
+reach there; a Python loop would be unrolled into the graph (trace and compile time linear in
+depth). Candidates were (a) an opaque custom op whose body torchacc traces and differentiates
+itself: dynamo cannot see through it, so its autograd, closures and fake-mode meta would all be
+hand-written and the body traced outside dynamo's guards; (b) a dynamo ``disable`` region: a graph
+break per scan, run eagerly; (c) torch's higher-order operator ``torch.ops.higher_order.scan``.
+(c) is what torch itself uses: dynamo speculates ``fn`` once into a subgraph (tensors it closes
+over become extra inputs, no graph break), AOTAutograd differentiates it into a forward scan
+(which also returns the per-step activations) and a backward scan with their own partitioned
+subgraphs, ``make_fx`` (compile_step) traces it the same way, and functionalization keeps it
+whole. torchacc lowers the node with one ``jax.lax.scan`` replaying the subgraph's nodes with their
+rules (``_hop_scan`` in torchacc/lowering/scan.py), so the body is traced and compiled once at any
+length. So while dynamo compiles (``torch.compiler.is_dynamo_compiling()``) ``scan`` calls torch's
+public ``scan`` (dynamo only accepts the operator through it), and under ``make_fx``'s proxy mode
+it calls the operator itself with flattened leaves (the public function would start a nested
+dynamo compile there). ``partition_fn`` and ``is_fn_pure`` have no effect on this path (dynamo's
+guards and AOTAutograd's partitioner decide). The operator has no ``None`` outputs, so ``None``
+leaves of ``fn``'s ``y`` travel as empty tuples and come back as ``None``. Checked on torch 2.13
+(this box); on a torch without the operator's autograd (older than 2.9) the path is not taken:
+``scan`` runs as the loop, counted as ``ScanUnrolled`` in torchacc.metrics with a warning.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import (
+    keystr,
+    tree_flatten,
+    tree_flatten_with_path,
+    tree_map_only,
+    tree_unflatten,
+)
 
+from torchacc import metrics
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import lookup
 from torchacc.lowering import scan as ops
@@ -36,6 +69,8 @@ def scan(fn, init, xs, partition_fn=None, is_fn_pure=False):
     flat_xs, xs_spec = tree_flatten(xs)
     length = _check_inputs(init, xs)
     if not any(type(t) is LazyTensor for t in (*flat_init, *flat_xs)):
+        if captured():
+            return _captured_scan(fn, init, xs, length)
         return _loop(fn, init, xs, length)
     _check_same_device(init, xs)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*flat_init, *flat_xs))
@@ -126,6 +161,92 @@ def _loop(fn, init, xs, length):
         raise ValueError("scan: xs has length 0; the outputs' structure is unknown")
     flat_ys = [torch.stack([y[0][j] for y in ys]) for j in range(len(ys[0][0]))]
     return carry, _unflatten(flat_ys, ys[0][1])
+
+
+# -------------------------------------------------------------------------------------------------
+# the trace-once frontend: torch's scan operator (Note [Scan on the trace-once frontend])
+
+
+def captured():
+    """Whether dynamo or ``make_fx`` is tracing the caller (torch.compile, compile_step)."""
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    return get_proxy_mode() is not None
+
+
+def _load_hop():
+    """torch's scan operator module, or None where it cannot differentiate (torch < 2.9)."""
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 9):
+        return None
+    import importlib
+
+    try:
+        hop = importlib.import_module("torch._higher_order_ops.scan")
+    except ImportError:
+        return None
+    return hop if hasattr(hop, "scan_op") and hasattr(hop, "ScanAutogradOp") else None
+
+
+_HOP = _load_hop()  # at import: dynamo would break the graph on an import inside a trace
+
+
+def _captured_scan(fn, init, xs, length):
+    hop = _HOP
+    if hop is None:
+        metrics.counter_inc("ScanUnrolled")
+        warnings.warn(
+            f"torchacc: scan under torch.compile/compile_step needs torch >= 2.9's scan "
+            f"operator (torch {torch.__version__} here); it runs as a loop of {length} steps "
+            "unrolled into the graph (counted as 'ScanUnrolled')",
+            stacklevel=3,
+        )
+        return _loop(fn, init, xs, length)
+
+    def body(carry, x):
+        # fresh outputs: the operator refuses outputs that alias its inputs (XLA drops copies)
+        new, y = tree_map_only(torch.Tensor, torch.clone, fn(carry, x))
+        return new, _nones_out(y)
+
+    if torch.compiler.is_dynamo_compiling():
+        carry, ys = hop.scan(body, init, xs)
+        return carry, _nones_in(ys)
+    flat_init, init_spec = tree_flatten(init)
+    flat_xs, xs_spec = tree_flatten(xs)
+    nc, specs = len(flat_init), {}
+
+    def flat_body(*args):
+        new, y = body(
+            tree_unflatten(list(args[:nc]), init_spec), tree_unflatten(list(args[nc:]), xs_spec)
+        )
+        flat_new, new_spec = tree_flatten(new)
+        _check_carry(flat_new, new_spec, flat_init, init_spec)
+        flat_y, specs["y"] = tree_flatten(y)
+        return [*flat_new, *flat_y]
+
+    outs = hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=())
+    return tree_unflatten(outs[:nc], init_spec), _nones_in(tree_unflatten(outs[nc:], specs["y"]))
+
+
+def _nones_out(tree):
+    if tree is None:
+        return ()
+    if type(tree) in (tuple, list):
+        return type(tree)(_nones_out(v) for v in tree)
+    if isinstance(tree, dict):
+        return {k: _nones_out(v) for k, v in tree.items()}
+    return tree
+
+
+def _nones_in(tree):
+    if isinstance(tree, tuple) and not tree:
+        return None
+    if type(tree) in (tuple, list):
+        return type(tree)(_nones_in(v) for v in tree)
+    if isinstance(tree, dict):
+        return {k: _nones_in(v) for k, v in tree.items()}
+    return tree
 
 
 # -------------------------------------------------------------------------------------------------
