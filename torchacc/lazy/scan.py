@@ -205,13 +205,18 @@ def _captured_scan(fn, init, xs, length):
         return _loop(fn, init, xs, length)
 
     def body(carry, x):
+        out = fn(carry, x)
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise ValueError(f"scan: fn must return (carry, y), got {type(out).__name__}")
+        flat_new, new_spec = tree_flatten(out[0])
+        _check_carry(flat_new, new_spec, tree_flatten(carry)[0], tree_flatten(carry)[1])
         # fresh outputs: the operator refuses outputs that alias its inputs (XLA drops copies)
-        new, y = tree_map_only(torch.Tensor, torch.clone, fn(carry, x))
+        new, y = tree_map_only(torch.Tensor, torch.clone, tuple(out))
         return new, _nones_out(y)
 
     if torch.compiler.is_dynamo_compiling():
         carry, ys = hop.scan(body, init, xs)
-        return carry, _nones_in(ys)
+        return _distinct_grads(carry), _nones_in(_distinct_grads(ys))
     flat_init, init_spec = tree_flatten(init)
     flat_xs, xs_spec = tree_flatten(xs)
     nc, specs = len(flat_init), {}
@@ -220,13 +225,33 @@ def _captured_scan(fn, init, xs, length):
         new, y = body(
             tree_unflatten(list(args[:nc]), init_spec), tree_unflatten(list(args[nc:]), xs_spec)
         )
-        flat_new, new_spec = tree_flatten(new)
-        _check_carry(flat_new, new_spec, flat_init, init_spec)
         flat_y, specs["y"] = tree_flatten(y)
+        flat_new = tree_flatten(new)[0]
         return [*flat_new, *flat_y]
 
-    outs = hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=())
+    outs = _distinct_grads(hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=()))
     return tree_unflatten(outs[:nc], init_spec), _nones_in(tree_unflatten(outs[nc:], specs["y"]))
+
+
+class _DistinctGrads(torch.autograd.Function):
+    """Identity whose backward gives every gradient its own memory: the scan operator's backward
+    refuses gradients that share storage (e.g. two carries' ``sum()`` gradients, views of one
+    tensor) as "aliasing"."""
+
+    @staticmethod
+    def forward(ctx, *tensors):
+        return tuple(t.clone() for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return tuple(None if g is None else g.clone() for g in grads)
+
+
+def _distinct_grads(tree):
+    leaves, spec = tree_flatten(tree)
+    if len(leaves) < 2 or not any(t.requires_grad for t in leaves):
+        return tree
+    return tree_unflatten(list(_DistinctGrads.apply(*leaves)), spec)
 
 
 def _nones_out(tree):
