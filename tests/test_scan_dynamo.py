@@ -232,3 +232,12 @@ def test_bad_input_errors_name_the_problem_on_the_trace_once_frontend():
 
     with pytest.raises(ValueError, match=carry_msg):
         step(x, w)
+
+    # torch's operator cannot differentiate a scan carrying an integer tensor: said by name
+    def count(c, w):
+        return {"h": torch.tanh(c["h"] @ w), "k": c["k"] + 1}, None
+
+    h = x.clone().requires_grad_()
+    with pytest.raises(Exception, match=r"carry\['k'\] is a torch.int64 tensor"):
+        init = {"h": h, "k": torch.zeros((), dtype=torch.int64)}
+        torch.compile(lambda h, w: scan(count, init, w), backend="torchacc")(h, w)

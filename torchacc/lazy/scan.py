@@ -204,6 +204,8 @@ def _captured_scan(fn, init, xs, length):
         )
         return _loop(fn, init, xs, length)
 
+    _check_float_carry(init, xs)
+
     def body(carry, x):
         out = fn(carry, x)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
@@ -231,6 +233,23 @@ def _captured_scan(fn, init, xs, length):
 
     outs = _distinct_grads(hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=()))
     return tree_unflatten(outs[:nc], init_spec), _nones_in(tree_unflatten(outs[nc:], specs["y"]))
+
+
+def _check_float_carry(init, xs):
+    """torch's scan operator (2.13) fails deep in AOTAutograd ("outs_to_grad length != tangents
+    length") on a differentiated scan whose carry holds an integer or bool tensor: refused here."""
+    if not torch.is_grad_enabled():
+        return
+    if not any(t.requires_grad for t in (*tree_flatten(init)[0], *tree_flatten(xs)[0])):
+        return
+    for path, t in tree_flatten_with_path(init)[0]:
+        if not (t.is_floating_point() or t.is_complex()):
+            raise NotImplementedError(
+                f"scan under torch.compile/compile_step: carry{keystr(path)} is a {t.dtype} "
+                "tensor; torch's scan operator cannot differentiate a scan whose carry holds "
+                "integer or bool tensors. Carry it as a float tensor, or pass tensors that do not "
+                "change through xs or as tensors fn closes over (torch.compile lifts those)"
+            )
 
 
 class _DistinctGrads(torch.autograd.Function):
