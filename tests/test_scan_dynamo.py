@@ -233,6 +233,19 @@ def test_bad_input_errors_name_the_problem_on_the_trace_once_frontend():
     with pytest.raises(ValueError, match=carry_msg):
         step(x, w)
 
+    # make_fx would freeze a tensor fn closes over into the body: refused as on the lazy device
+    @torchacc.dynamo.compile_step(eager_steps=0)
+    def closing(x, w):
+        opt.zero_grad()
+        h = lin(x)
+        out = scan(lambda c, w: (torch.tanh(c @ w + h), None), h, w)[0].sum()
+        out.backward()
+        opt.step()
+        return out
+
+    with pytest.raises(ValueError, match="fn uses a tensor it closes over"):
+        closing(x, w)
+
     # torch's operator cannot differentiate a scan carrying an integer tensor: said by name
     def count(c, w):
         return {"h": torch.tanh(c["h"] @ w), "k": c["k"] + 1}, None

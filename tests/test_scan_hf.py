@@ -117,6 +117,37 @@ def test_scanned_qwen2_under_torch_compile_is_one_scan_each_way(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_scanned_llama_in_compile_step_trains_like_the_unwrapped_model():
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(3))
+    ref = _tiny("llama", 2)
+    model = torchacc.scan_hf_layers(copy.deepcopy(ref))
+    opt, ref_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref))
+
+    @torchacc.dynamo.compile_step
+    def step(ids):
+        opt.zero_grad()
+        loss = _loss(model, ids)
+        loss.backward()
+        opt.step()
+        return loss
+
+    metrics.clear_all()
+    for _ in range(3):
+        got = step(ids)
+        ref_opt.zero_grad()
+        want = _loss(ref, ids)
+        want.backward()
+        ref_opt.step()
+        _close(got, want)
+    state = model.state_dict()
+    for k, v in ref.state_dict().items():
+        _close(state[k], v)
+    assert metrics.counter_value("StepTrace") == 1
+    assert metrics.counter_value("DynamoCompile") == 1
+    (prog,) = step._programs.values()
+    assert sum(1 for n in prog.lowered.gm.graph.nodes if n.target is SCAN) == 2
+
+
 def test_scan_hf_layers_refuses_what_it_cannot_scan():
     model = _tiny("llama", 3)
     model.model.layers[2].mlp.up_proj = torch.nn.Linear(32, 48, bias=False)

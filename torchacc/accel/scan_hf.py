@@ -12,8 +12,8 @@ through torch's scan operator, under ``torch.compile``/``compile_step``; the pla
 PyTorch). The keyword arguments HF passes every layer (attention mask, rotary
 ``position_embeddings``, ``position_ids``, ``cache_position``) are the same for all layers: on the
 lazy device their tensors ride along the scan's carry unchanged (loop-invariant, never stacked);
-under torch.compile/compile_step the layer closes over them (dynamo lifts them into the scan's
-inputs: torch's operator cannot differentiate a carry of integer or bool tensors). The other
+under torch.compile/compile_step they are the loop-invariant inputs of torch's scan operator
+(``captured_scan``; the operator cannot differentiate a carry of integer or bool tensors). The other
 values (``None``, flags) are constants of the traced layer; new ones trace the layer once more.
 Training only: a KV cache is refused (the helper sets ``config.use_cache = False``), and so are
 layers of different attention types (``config.layer_types``) or structure. ``state_dict()`` keeps
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchacc.lazy.scan import captured, scan
+from torchacc.lazy.scan import captured, captured_scan, scan
 from torchacc.lazy.scan_layers import ScannedLayers, _key
 
 _STATIC = (type(None), bool, int, float, str, torch.dtype, torch.device)
@@ -107,9 +107,9 @@ class ScannedDecoderLayers(ScannedLayers):
                 )
         tensors = tuple(v for v in flat if isinstance(v, torch.Tensor))
         consts = tuple(_TENSOR if isinstance(v, torch.Tensor) else v for v in flat)
-        if captured():  # dynamo lifts the tensors fn closes over into the scan's inputs
-            fn = _layer_fn(self._template, spec, consts, tensors)
-            return scan(fn, (hidden_states, ()), self.weights())[0][0]
+        if captured():  # the tensors enter torch's scan operator as loop-invariant inputs
+            fn = _layer_fn(self._template, spec, consts, fixed=True)
+            return captured_scan(fn, (hidden_states, ()), self.weights(), tensors)[0][0]
         key = (spec, consts)
         fn = self._fns.get(key)
         if fn is None:
@@ -118,13 +118,13 @@ class ScannedDecoderLayers(ScannedLayers):
         return scan(fn, carry, self.weights(), is_fn_pure=True)[0][0]
 
 
-def _layer_fn(template, spec, consts, fixed=None):
+def _layer_fn(template, spec, consts, fixed=False):
     """One layer on ``(hidden, fixed tensors)`` with the ``i``-th weights; the fixed tensors pass
-    through unchanged, or ``fixed`` is closed over (Note [Scanned HF decoder layers])."""
+    through unchanged, or arrive as ``fn``'s third argument (Note [Scanned HF decoder layers])."""
 
-    def one_layer(carry, weights):
+    def one_layer(carry, weights, extra=None):
         hidden, tensors = carry
-        it = iter(tensors if fixed is None else fixed)
+        it = iter(extra if fixed else tensors)
         args, kwargs = tree_unflatten([next(it) if c is _TENSOR else c for c in consts], spec)
         merged = {**weights[0], **weights[1]}
         out = torch.func.functional_call(template[0], merged, (hidden, *args), kwargs, strict=True)

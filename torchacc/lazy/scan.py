@@ -192,7 +192,15 @@ def _load_hop():
 _HOP = _load_hop()  # at import: dynamo would break the graph on an import inside a trace
 
 
-def _captured_scan(fn, init, xs, length):
+def captured_scan(fn, init, xs, fixed):
+    """``scan`` on the trace-once frontend with ``fn(carry, x, fixed)``: ``fixed``, a tuple of
+    tensors every step reads (HF's attention mask, rotary embeddings), enters torch's scan
+    operator as its loop-invariant inputs (make_fx turns tensors ``fn`` closes over into
+    constants of the body; dynamo lifts them itself)."""
+    return _captured_scan(fn, init, xs, _check_inputs(init, xs), tuple(fixed))
+
+
+def _captured_scan(fn, init, xs, length, fixed=None):
     hop = _HOP
     if hop is None:
         metrics.counter_inc("ScanUnrolled")
@@ -202,12 +210,14 @@ def _captured_scan(fn, init, xs, length):
             "unrolled into the graph (counted as 'ScanUnrolled')",
             stacklevel=3,
         )
+        if fixed is not None:
+            return _loop(lambda c, x: fn(c, x, fixed), init, xs, length)
         return _loop(fn, init, xs, length)
 
     _check_float_carry(init, xs)
 
-    def body(carry, x):
-        out = fn(carry, x)
+    def body(carry, x, extra):
+        out = fn(carry, x) if fixed is None else fn(carry, x, extra)
         if not isinstance(out, (tuple, list)) or len(out) != 2:
             raise ValueError(f"scan: fn must return (carry, y), got {type(out).__name__}")
         flat_new, new_spec = tree_flatten(out[0])
@@ -217,22 +227,43 @@ def _captured_scan(fn, init, xs, length):
         return new, _nones_out(y)
 
     if torch.compiler.is_dynamo_compiling():
-        carry, ys = hop.scan(body, init, xs)
+        carry, ys = hop.scan(lambda c, x: body(c, x, fixed), init, xs)
         return _distinct_grads(carry), _nones_in(_distinct_grads(ys))
     flat_init, init_spec = tree_flatten(init)
     flat_xs, xs_spec = tree_flatten(xs)
-    nc, specs = len(flat_init), {}
+    nc, nx, specs = len(flat_init), len(flat_xs), {}
 
     def flat_body(*args):
-        new, y = body(
-            tree_unflatten(list(args[:nc]), init_spec), tree_unflatten(list(args[nc:]), xs_spec)
-        )
+        carry = tree_unflatten(list(args[:nc]), init_spec)
+        new, y = body(carry, tree_unflatten(list(args[nc : nc + nx]), xs_spec), args[nc + nx :])
         flat_y, specs["y"] = tree_flatten(y)
-        flat_new = tree_flatten(new)[0]
-        return [*flat_new, *flat_y]
+        return [*tree_flatten(new)[0], *flat_y]
 
-    outs = _distinct_grads(hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=()))
+    # the operator traces fn on these very tensors: fresh copies keep a tensor fn closes over
+    # (the init itself, say) from passing for the carry (XLA drops the copies)
+    flat_init = [t.clone() for t in flat_init]
+    outs = hop.scan_op(flat_body, flat_init, flat_xs, additional_inputs=fixed or ())
+    _check_no_closures()
+    outs = _distinct_grads(outs)
     return tree_unflatten(outs[:nc], init_spec), _nones_in(tree_unflatten(outs[nc:], specs["y"]))
+
+
+def _check_no_closures():
+    """Under make_fx a tensor of the outer trace that ``fn`` closes over becomes a (fake)
+    constant of the scan's body, its value lost: refused, as on the lazy device."""
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    root = get_proxy_mode().tracer.root
+    for name, sub in root.named_children():
+        if not name.startswith("scan_combine_graph") or not isinstance(sub, torch.fx.GraphModule):
+            continue
+        for node in sub.graph.nodes:
+            if node.op == "get_attr" and isinstance(getattr(sub, node.target, None), FakeTensor):
+                raise ValueError(
+                    "scan: fn uses a tensor it closes over (not one of its arguments); scan "
+                    "traces fn once, so pass every tensor fn reads through init or xs"
+                )
 
 
 def _check_float_carry(init, xs):
