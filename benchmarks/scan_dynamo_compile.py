@@ -81,7 +81,7 @@ def main():
         frontend, mode, depth = args.worker
         return worker(frontend, mode, int(depth))
     env = {**os.environ, "TORCHACC_CACHE_DIR": "off", "PYTHONPATH": ROOT}
-    print("| frontend | mode | depth | first call CPU s (median) | wall s (median) | runs (CPU s) |")
+    print("| frontend | mode | depth | first call CPU s (median) | wall s (median) | CPU s runs |")
     print("|---|---|---|---|---|---|")
     for frontend in args.frontends:
         for mode in args.modes:
