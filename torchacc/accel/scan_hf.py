@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from torchacc.lazy.scan import captured, captured_scan, scan
+from torchacc.lazy.scan import scan
+from torchacc.lazy.scan_capture import captured, captured_scan
 from torchacc.lazy.scan_layers import ScannedLayers, _key
 
 _STATIC = (type(None), bool, int, float, str, torch.dtype, torch.device)

@@ -22,7 +22,8 @@ import copy
 import torch
 from torch import nn
 
-from torchacc.lazy.scan import captured, scan
+from torchacc.lazy.scan import scan
+from torchacc.lazy.scan_capture import captured
 
 _one_layer_fns: dict = {}  # (id(first layer), partition_fn) -> fn, for is_layer_pure
 
