@@ -44,7 +44,7 @@ def worker(frontend, mode, depth):
     )
     idx = torch.randint(0, 1024, (2, 64))
 
-    def loss_of(m):
+    def loss_of(m, idx=idx):
         logits = m(idx)
         return torch.nn.functional.cross_entropy(logits.reshape(-1, 1024), idx.reshape(-1))
 
@@ -55,15 +55,15 @@ def worker(frontend, mode, depth):
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 
         @torchacc.dynamo.compile_step
-        def step():
+        def step(idx):
             opt.zero_grad()
-            loss = loss_of(model)
+            loss = loss_of(model, idx)
             loss.backward()
             opt.step()
             return loss
 
-        step()  # eager: creates the optimizer's state
-        run = step
+        step(idx)  # eager: creates the optimizer's state
+        run = lambda: step(idx)  # noqa: E731
     cpu, wall = time.process_time(), time.perf_counter()
     run()
     print(json.dumps({"cpu": time.process_time() - cpu, "wall": time.perf_counter() - wall}))
