@@ -1,4 +1,5 @@
-"""``torch.ops.torchacc.scan``: one ``jax.lax.scan`` over a body traced once as an FX graph.
+"""``torch.ops.torchacc.scan`` (the lazy recorder's) and ``torch.ops.higher_order.scan`` (the
+trace-once frontend's, ``_hop_scan``): one ``jax.lax.scan`` over a body traced once as an FX graph.
 
 Note [Scan bodies]
 ``scan(fn, init, xs)`` (torchacc/lazy/scan.py) traces ``fn`` once with AOTAutograd, on fake
