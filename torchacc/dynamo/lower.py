@@ -47,6 +47,7 @@ from torchacc.lowering.fx_calling import (
     _run_python,
     _val,
     eval_rule,
+    is_hop,
 )
 
 _SCALAR_TYPES = (int, float, bool, torch.SymInt, torch.SymFloat, torch.SymBool)
@@ -78,7 +79,7 @@ def _is_scalar_node(node):
 
 
 def _lowerable(node):
-    return node.target is _TRACED_ITEM or _rule_of(node) is not None
+    return node.target is _TRACED_ITEM or _rule_of(node) is not None or is_hop(node)
 
 
 def _rule_of(node):

@@ -7,8 +7,10 @@ attention, RMSNorm: torch.ops.torchacc ops) apply inside ``fn`` exactly as in th
 and a tensor ``fn`` closes over is refused by name. The autograd Function ``_Scan`` records the
 forward scan, which also returns the per-step activations the backward graph needs (stacked), and
 its backward records the reverse scan of the backward graph. Activations that are a step's own
-slice of ``xs`` are not returned: the backward reads ``xs`` itself. On other tensors (CPU, eager)
-``scan`` is the plain Python loop it stands for, the reference it is tested against.
+slice of ``xs`` are not returned: the backward reads ``xs`` itself. While ``torch.compile`` or
+``compile_step`` traces the step, ``scan`` becomes torch's own scan operator (Note [Scan on the
+trace-once frontend] in scan_capture.py). On other tensors (CPU, eager) ``scan`` is the plain
+Python loop it stands for (scan_checks.py), the reference it is tested against.
 """
 
 from __future__ import annotations
@@ -18,9 +20,18 @@ import weakref
 
 import torch
 from torch.autograd.function import once_differentiable
-from torch.utils._pytree import keystr, tree_flatten, tree_flatten_with_path, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.lazy.scan_capture import _captured_scan, captured
+from torchacc.lazy.scan_checks import (
+    _check_carry,
+    _check_inputs,
+    _check_same_device,
+    _flatten,
+    _loop,
+    _unflatten,
+)
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lowering import lookup
 from torchacc.lowering import scan as ops
@@ -37,6 +48,8 @@ def scan(fn, init, xs, partition_fn=None, is_fn_pure=False):
     flat_xs, xs_spec = tree_flatten(xs)
     length = _check_inputs(init, xs)
     if not any(type(t) is LazyTensor for t in (*flat_init, *flat_xs)):
+        if captured():
+            return _captured_scan(fn, init, xs, length)
         return _loop(fn, init, xs, length)
     _check_same_device(init, xs)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*flat_init, *flat_xs))
@@ -44,89 +57,6 @@ def scan(fn, init, xs, partition_fn=None, is_fn_pure=False):
     outs = _Scan.apply(traced, *flat_init, *flat_xs)
     carry = tree_unflatten(list(outs[: traced.nc]), traced.carry_spec)
     return carry, _unflatten(list(outs[traced.nc :]), traced.y_spec)
-
-
-def _flatten(tree):
-    """The tensor leaves of ``tree`` (None leaves left out, as torch_xla does) and how to put
-    them back."""
-    leaves, spec = tree_flatten(tree)
-    return [v for v in leaves if v is not None], (spec, tuple(v is None for v in leaves))
-
-
-def _unflatten(tensors, spec):
-    it = iter(tensors)
-    return tree_unflatten([None if none else next(it) for none in spec[1]], spec[0])
-
-
-# -------------------------------------------------------------------------------------------------
-# checks
-
-
-def _check_inputs(init, xs):
-    """The common length of ``xs``'s leaves (ValueError naming the leaves that disagree)."""
-    leaves = tree_flatten_with_path(xs)[0]
-    if not leaves:
-        raise ValueError(f"scan: xs {xs!r} is an empty pytree (nothing to scan over)")
-    for path, t in tree_flatten_with_path(init)[0] + leaves:
-        if not isinstance(t, torch.Tensor):
-            raise ValueError(
-                f"scan: leaf {keystr(path) or '<root>'} is a {type(t).__name__}, not a tensor"
-            )
-    first_path, first = leaves[0]
-    for path, t in leaves:
-        if t.dim() == 0:
-            raise ValueError(
-                f"scan: xs leaf {keystr(path) or '<root>'} is 0-d; every leaf of xs "
-                "needs a leading dimension to scan over"
-            )
-        if t.shape[0] != first.shape[0]:
-            raise ValueError(
-                f"scan: the leaves of xs must have the same leading length: xs"
-                f"{keystr(first_path)} has shape {tuple(first.shape)}, xs{keystr(path)} has "
-                f"shape {tuple(t.shape)}"
-            )
-    return first.shape[0]
-
-
-def _check_same_device(init, xs):
-    for name, tree in (("init", init), ("xs", xs)):
-        for path, t in tree_flatten_with_path(tree)[0]:
-            if type(t) is not LazyTensor:
-                raise ValueError(
-                    f"scan: {name}{keystr(path)} is on {t.device}, the other leaves on torchacc; "
-                    "move it with .to(device)"
-                )
-
-
-def _check_carry(new, spec, flat_init, init_spec):
-    if spec != init_spec:
-        raise ValueError(f"scan: fn returned a carry of structure {spec}, init has {init_spec}")
-    paths = [keystr(p) for p, _ in tree_flatten_with_path(tree_unflatten(flat_init, spec))[0]]
-    for path, a, b in zip(paths, flat_init, new):
-        if tuple(a.shape) != tuple(b.shape) or a.dtype != b.dtype:
-            raise ValueError(
-                f"scan: fn changed carry{path} from shape {tuple(a.shape)} {a.dtype} to "
-                f"{tuple(b.shape)} {b.dtype}; the carry must keep its shape and dtype"
-            )
-
-
-# -------------------------------------------------------------------------------------------------
-# the eager reference
-
-
-def _loop(fn, init, xs, length):
-    flat_xs, xs_spec = tree_flatten(xs)
-    flat_init, init_spec = tree_flatten(init)
-    carry, ys = init, []
-    for i in range(length):
-        carry, y = fn(carry, tree_unflatten([t[i] for t in flat_xs], xs_spec))
-        flat_new, spec = tree_flatten(carry)
-        _check_carry(flat_new, spec, flat_init, init_spec)
-        ys.append(_flatten(y))
-    if not ys:
-        raise ValueError("scan: xs has length 0; the outputs' structure is unknown")
-    flat_ys = [torch.stack([y[0][j] for y in ys]) for j in range(len(ys[0][0]))]
-    return carry, _unflatten(flat_ys, ys[0][1])
 
 
 # -------------------------------------------------------------------------------------------------

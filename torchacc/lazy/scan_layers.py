@@ -24,6 +24,7 @@ from torch import nn
 
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.scan import scan
+from torchacc.lazy.scan_capture import captured
 
 _one_layer_fns: dict = {}  # (id(first layer), partition_fn) -> fn, for is_layer_pure
 
@@ -129,10 +130,12 @@ class ScannedLayers(nn.Module):
 
     def forward(self, *args):
         self._template[0].train(self.training)
-        if self._fn.template is not self._template:  # a copy of the module: its own function
-            self._fn = _stacked_layer_fn(self._template)
         carry = args[0] if len(args) == 1 else args
         weights = self.weights()
+        if captured():  # one scan (Note [Scan on the trace-once frontend]); traced once
+            return scan(_stacked_layer_fn(self._template), carry, weights)[0]
+        if self._fn.template is not self._template:  # a copy of the module: its own function
+            self._fn = _stacked_layer_fn(self._template)
         leaves = [*args, *weights[0].values()]
         if any(t.device.type == DEVICE_TYPE for t in leaves if isinstance(t, torch.Tensor)):
             return scan(self._fn, carry, weights, is_fn_pure=True)[0]

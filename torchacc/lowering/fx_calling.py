@@ -15,6 +15,9 @@ from torchacc.lowering.dtypes import JAX_TO_TORCH, jdtype, wrapped_number_dtype
 from torchacc.lowering.registry import scalar_arguments
 
 _TRACED_ITEM = torch.ops.aten._local_scalar_dense.default
+# higher-order operator -> its lowering, called with the node's arguments (subgraphs as
+# GraphModules, tensors as arrays); filled by the families that lower one (scan.py)
+HOP_RULES: dict = {}
 
 
 def _val(node):
@@ -137,10 +140,15 @@ _SIZE_OPS = {
 
 
 def _eval_python(node, env):
-    """A getitem or size computation inside a JAX trace (arrays have static shapes there)."""
+    """A getitem, size computation or higher-order op inside a JAX trace (arrays have static
+    shapes there)."""
     size = _SIZE_OPS.get(node.target)
     if size is not None:
         return size(*fx.node.map_arg(node.args, env.__getitem__))
+    hop = HOP_RULES.get(node.target)
+    if hop is not None:
+        args = fx.node.map_arg(node.args, env.__getitem__)
+        return hop(*args, **fx.node.map_arg(node.kwargs, env.__getitem__))
     return _run_python(node, env)
 
 
@@ -148,3 +156,8 @@ def _run_python(node, env):
     args = fx.node.map_arg(node.args, env.__getitem__)
     kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
     return node.target(*args, **kwargs)
+
+
+def is_hop(node):
+    """A higher-order op node torchacc lowers (a ``torch.ops.higher_order.scan``)."""
+    return node.op == "call_function" and node.target in HOP_RULES

@@ -1,4 +1,5 @@
-"""``torch.ops.torchacc.scan``: one ``jax.lax.scan`` over a body traced once as an FX graph.
+"""``torch.ops.torchacc.scan`` (the lazy recorder's) and ``torch.ops.higher_order.scan`` (the
+trace-once frontend's, ``_hop_scan``): one ``jax.lax.scan`` over a body traced once as an FX graph.
 
 Note [Scan bodies]
 ``scan(fn, init, xs)`` (torchacc/lazy/scan.py) traces ``fn`` once with AOTAutograd, on fake
@@ -23,6 +24,7 @@ made, before anything is recorded, naming the op.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +33,7 @@ import torch
 from torch import fx
 
 from torchacc.lowering.dtypes import jdtype
-from torchacc.lowering.fx_calling import _eval_python, eval_rule
+from torchacc.lowering.fx_calling import HOP_RULES, _eval_python, eval_rule
 from torchacc.lowering.registry import lookup, register
 
 _lib = torch.library.Library("torchacc", "FRAGMENT")
@@ -106,6 +108,8 @@ def _constants(gm, name):
         t = gm
         for part in n.target.split("."):
             t = getattr(t, part)
+        if isinstance(t, fx.GraphModule):  # a nested scan's body
+            continue
         if not isinstance(t, torch.Tensor) or t.device.type == "meta":
             raise ValueError(
                 f"torchacc.scan: fn's {name} graph holds {n.target}, a tensor it closes over "
@@ -117,6 +121,8 @@ def _constants(gm, name):
 
 def _check_lowerable(gm, name):
     for n in gm.graph.nodes:
+        if n.op == "get_attr" and isinstance(sub := _attr(gm, n.target), fx.GraphModule):
+            _check_lowerable(sub, name)
         if n.op != "call_function" or not isinstance(n.target, torch._ops.OpOverload):
             continue
         rule = lookup(n.target)
@@ -184,3 +190,49 @@ def _scan(carry, xs, body, reverse, length):
 
     final, ys = jax.lax.scan(step, list(carry), list(xs) or None, length=length, reverse=reverse)
     return [*final, *ys]
+
+
+def _attr(gm, target):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+# -------------------------------------------------------------------------------------------------
+# torch.ops.higher_order.scan: the trace-once frontend's scans (Note [Scan on the trace-once
+# frontend] in torchacc/lazy/scan.py)
+
+_hop_consts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # combine graph -> consts
+
+
+def _hop_scan(combine_fn, init, xs, additional_inputs):
+    """``scan_op(combine_fn, init, xs, additional_inputs)`` as one ``lax.scan``: the combine
+    graph takes ``(*carry, *x_slices, *additional_inputs)`` and returns ``(*carry, *y_slices)``;
+    the op returns ``[*final_carry, *stacked_ys]``."""
+    gm = combine_fn
+    consts = _hop_consts.get(gm)
+    if consts is None:
+        _check_lowerable(gm, "combine")
+        consts = _hop_consts[gm] = _constants(gm, "combine")
+    places = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    init, xs, extra = list(init), list(xs), list(additional_inputs)
+    if len(places) != len(init) + len(xs) + len(extra):
+        raise RuntimeError(
+            f"torchacc: scan's combine graph has {len(places)} inputs, the op gives "
+            f"{len(init)} carries, {len(xs)} xs and {len(extra)} additional inputs"
+        )
+    nc = len(init)
+
+    def step(carry, x):
+        outs = run_graph(gm, dict(zip(places, [*carry, *x, *extra])), consts)
+        if any(o is None for o in outs):
+            raise NotImplementedError("torchacc: scan's combine graph returns None")
+        new = [o.astype(c.dtype) if o.dtype != c.dtype else o for o, c in zip(outs[:nc], carry)]
+        return new, outs[nc:]
+
+    final, ys = jax.lax.scan(step, init, xs)
+    return [*final, *ys]
+
+
+HOP_RULES[torch.ops.higher_order.scan] = _hop_scan
