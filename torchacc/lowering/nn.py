@@ -22,7 +22,7 @@ import torch
 from jax import lax
 
 from torchacc.lowering import custom_ops as ops
-from torchacc.lowering import precision
+from torchacc.lowering import memory, precision
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -141,6 +141,9 @@ def linear(input, weight, bias=None):
 
 @register(ops.linear_backward)
 def linear_backward(grad_output, input, weight):
+    # the weight gradient's dot (float32 on XLA:CPU) starts from the input in the backward, not
+    # from a float32 copy made in the forward (Note [Backward rules read fenced forward values])
+    (input,) = memory.fenced([input], [grad_output])
     flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
     flat_input = input.reshape(-1, input.shape[-1])
     grad_input = dot(grad_output, weight, (((grad_output.ndim - 1,), (0,)), ((), ())))
