@@ -621,10 +621,11 @@ def _softmax_impl(x, dim, log):
     if x.ndim == 0:
         return jnp.zeros_like(x) if log else jnp.ones_like(x)
     m = lax.stop_gradient(jnp.max(x, axis=dim, keepdims=True))
-    shifted = x - m
-    e = jnp.exp(shifted)
+    e = jnp.exp(x - m)
     s = jnp.sum(e, axis=dim, keepdims=True)
-    return shifted - jnp.log(s) if log else e / s
+    # log: x - (max + log(sum)), as torch's CPU kernel; XLA recomputes x - m inside the sum's
+    # fusion instead of keeping a float32 (rows, classes) copy of it alive for the result
+    return x - (m + jnp.log(s)) if log else e / s
 
 
 @register(aten._softmax.default)

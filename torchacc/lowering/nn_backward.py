@@ -307,6 +307,9 @@ def _loss_norm(self, reduction):
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    # the dense (rows, classes) gradient is built from the targets only once the log-probabilities
+    # exist, not as early as the targets do (Note [Backward rules read fenced forward values])
+    target, weight, total_weight = memory.fenced([target, weight, total_weight], [self])
     ct = acc_dtype(self.dtype)
     cdim = 1 if self.ndim >= 2 else 0
     valid = target != ignore_index
