@@ -151,6 +151,9 @@ def test_debug_reports_each_new_programs_memory(monkeypatch, capfd):
     _train(model, loader)
     err = capfd.readouterr().err
     assert "torchacc: step program memory: temp " in err, err[-2000:]
+    line = next(x for x in err.splitlines() if "step program memory" in x)
+    for category in ("aliased ", "outputs not donated ", "host RSS ", "(peak "):
+        assert category in line, line
 
 
 def test_fp16_with_a_grad_scaler_matches_eager_fp16():
