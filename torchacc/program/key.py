@@ -179,25 +179,27 @@ def donations(arg_avals, pack_avals, outs, flags, partners):
     taken = {}  # per aval, how many the packed results (first in the program) take
     for aval in pack_avals:
         taken[aval] = taken.get(aval, 0) + 1
-    by_aval = {}
+    by_aval, wants = {}, {}
     for k, (_, aval) in enumerate(outs):
         by_aval.setdefault(aval, []).append(k)
+        if partners[k] is not None:
+            wants.setdefault(partners[k], k)
     rank = [None] * len(outs)  # the argument each loose result is to receive
     for aval, queue in queues.items():
         left = queue[taken.get(aval, 0) :]
-        waiting = set(left)
+        coming = set(left)
         results = by_aval.get(aval, [])
+        # results whose own argument is not coming first, then the others, for the leftovers
+        spare = [k for k in results if partners[k] not in coming]
+        spare += [k for k in results if partners[k] in coming]
+        s = 0
         for a in left:
-            k = next((k for k in results if rank[k] is None and partners[k] == a), None)
-            if k is None:  # a result whose own argument is not coming, else any
-                k = next(
-                    (k for k in results if rank[k] is None and partners[k] not in waiting),
-                    None,
-                )
-            if k is None:
-                k = next(k for k in results if rank[k] is None)
+            k = wants.get(a)
+            if k is None or rank[k] is not None or outs[k][1] != aval:
+                while rank[spare[s]] is not None:
+                    s += 1
+                k = spare[s]
             rank[k] = a
-            waiting.discard(a)
     order = sorted(range(len(outs)), key=lambda k: (0, rank[k]) if rank[k] is not None else (1, k))
     return donate, tuple([outs[k][0] for k in order])
 
