@@ -28,7 +28,8 @@ through ``fenced(saved, grads)``, a ``checkpoint_fence`` of the values on the in
 the recompute happens in the backward, from the values eager saves too, and the forward's
 intermediates die in the forward. The results are the same values bit for bit (the fence is an
 identity XLA cannot see through); the cost is the recompute (elementwise math, and attention's
-scores matmul, as flash attention does).
+scores matmul, as flash attention does). Activation backwards fence a half input only: on a
+float32 one the fence changed how XLA:CPU fuses the math (GELU's tanh), and so its last bits.
 """
 
 from __future__ import annotations
