@@ -193,22 +193,39 @@ _reported = [0]
 
 
 def _report_new_programs():
-    """``TORCHACC_DEBUG=1``: each newly built step program's memory (its ``memory_analysis()``),
-    the temp bytes being what gradient checkpointing lowers."""
+    """``TORCHACC_DEBUG=1``: each newly built step program's memory by category (its
+    ``memory_analysis()``): temp buffers (what gradient checkpointing lowers), arguments
+    (parameters, optimizer state, the batch), the part of them donated to the results
+    (``aliased``), results that take new memory (``outputs not donated``: what the script keeps,
+    e.g. the logits), and the process's host memory (RSS now and its peak, Linux)."""
     from torchacc.program import cache
 
     programs = list(cache._cache.values())
     for exe in programs[_reported[0] :]:
         stats = getattr(exe, "memory_analysis", lambda: None)()
         if stats is not None:
+            mib = 2**20
+            alias = stats.alias_size_in_bytes
             print(
-                f"torchacc: step program memory: temp {stats.temp_size_in_bytes / 2**20:.1f} MiB, "
-                f"arguments {stats.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
-                f"{stats.output_size_in_bytes / 2**20:.1f} MiB, aliased "
-                f"{stats.alias_size_in_bytes / 2**20:.1f} MiB",
+                f"torchacc: step program memory: temp {stats.temp_size_in_bytes / mib:.1f} MiB, "
+                f"arguments {stats.argument_size_in_bytes / mib:.1f} MiB, outputs "
+                f"{stats.output_size_in_bytes / mib:.1f} MiB, aliased {alias / mib:.1f} MiB, "
+                f"outputs not donated {(stats.output_size_in_bytes - alias) / mib:.1f} MiB"
+                f"{_host_memory()}",
                 file=sys.stderr,
             )
     _reported[0] = len(programs)
+
+
+def _host_memory():
+    """``, host RSS x MiB (peak y MiB)`` from /proc/self/status, or nothing where it is absent."""
+    try:
+        with open("/proc/self/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("VmRSS", "VmHWM")))
+        rss, hwm = (int(fields[k].split()[0]) / 1024 for k in ("VmRSS", "VmHWM"))
+    except (OSError, KeyError, ValueError):
+        return ""
+    return f", host RSS {rss:.0f} MiB (peak {hwm:.0f} MiB)"
 
 
 class _Epoch:

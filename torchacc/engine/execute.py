@@ -104,7 +104,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
         plan = pack.output_plan(outputs, starts, pack.max_numel())
         if plan[1]:
             pack.lay_out_like_results(outputs, starts, plan, held)
-    graph = compiler.Graph(outputs, held if donate else None, plan)
+    graph = compiler.Graph(outputs, held if donate else None, plan, starts)
     shardings = None
     if mesh.is_spmd():  # Note [SPMD mode] in runtime/mesh.py
         sharding.normalize(graph.loose)
@@ -131,7 +131,7 @@ def _launch(exe, args, outputs, plan, n_ops):
     start = time.perf_counter()
     results = exe(*args)
     metrics.record_time("ExecuteTime", time.perf_counter() - start)
-    pack.bind(results, outputs, plan.out_codes, plan.out_packs)
+    pack.bind(results, outputs, plan.out_codes, plan.out_packs, plan.out_order)
     packs, loose = plan.packs, plan.loose
     n_packs = len(packs)
     for i in plan.donate:  # their buffers now belong to the outputs

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchacc.lowering import fused_ops as ops
+from torchacc.lowering import memory
 from torchacc.lowering.dtypes import opmath
 from torchacc.lowering.nn_backward import _sum_to
 from torchacc.lowering.registry import register
@@ -49,6 +50,7 @@ def rms_norm(x, weight, eps):
 
 @register(ops.rms_norm_backward)
 def rms_norm_backward(grad, x, weight, rstd, output_mask):
+    x, rstd = memory.fenced([x, rstd], [grad])  # Note [Backward rules read fenced forward ...]
     xf, g = _f32(x), _f32(grad)
     rstd = rstd.astype(xf.dtype)
     xhat = xf * rstd

@@ -34,7 +34,7 @@ import numpy as np
 
 from torchacc import metrics
 from torchacc.lowering import fused_ops as ops
-from torchacc.lowering import nn, target
+from torchacc.lowering import memory, nn, target
 from torchacc.lowering.nn_backward import _sum_to
 from torchacc.lowering.registry import register
 
@@ -187,6 +187,8 @@ def _xla_forward(q, k, v, mask, is_causal, scale, seed=None, dropout_p=0.0):
 
 
 def _xla_backward(grad, q, k, v, out, lse, seed, mask, is_causal, scale, dropout_p, mask_grad):
+    # Note [Backward rules read fenced forward values] (memory.py): p is recomputed, not kept
+    q, k = memory.fenced([q, k], [grad])
     hk = k.shape[1]
     qg, dog = _grouped(q, hk), _grouped(grad.astype(q.dtype), hk)
     s = _scores(qg, k, mask, is_causal, scale)

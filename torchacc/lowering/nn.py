@@ -22,7 +22,7 @@ import torch
 from jax import lax
 
 from torchacc.lowering import custom_ops as ops
-from torchacc.lowering import precision
+from torchacc.lowering import memory, precision
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -141,6 +141,9 @@ def linear(input, weight, bias=None):
 
 @register(ops.linear_backward)
 def linear_backward(grad_output, input, weight):
+    # the weight gradient's dot (float32 on XLA:CPU) starts from the input in the backward, not
+    # from a float32 copy made in the forward (Note [Backward rules read fenced forward values])
+    (input,) = memory.fenced([input], [grad_output])
     flat_grad = grad_output.reshape(-1, grad_output.shape[-1])
     flat_input = input.reshape(-1, input.shape[-1])
     grad_input = dot(grad_output, weight, (((grad_output.ndim - 1,), (0,)), ((), ())))
@@ -618,10 +621,11 @@ def _softmax_impl(x, dim, log):
     if x.ndim == 0:
         return jnp.zeros_like(x) if log else jnp.ones_like(x)
     m = lax.stop_gradient(jnp.max(x, axis=dim, keepdims=True))
-    shifted = x - m
-    e = jnp.exp(shifted)
+    e = jnp.exp(x - m)
     s = jnp.sum(e, axis=dim, keepdims=True)
-    return shifted - jnp.log(s) if log else e / s
+    # log: x - (max + log(sum)), as torch's CPU kernel; XLA recomputes x - m inside the sum's
+    # fusion instead of keeping a float32 (rows, classes) copy of it alive for the result
+    return x - (m + jnp.log(s)) if log else e / s
 
 
 @register(aten._softmax.default)

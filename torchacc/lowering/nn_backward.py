@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchacc.lowering import custom_ops as ops
-from torchacc.lowering import nn
+from torchacc.lowering import memory, nn
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.nn import acc_dtype, aten, scalar
 from torchacc.lowering.registry import register
@@ -238,6 +238,7 @@ def _norm_input_grad(g, xhat, rstd, axes):
 def native_layer_norm_backward(
     grad_out, input, normalized_shape, mean, rstd, weight, bias, output_mask
 ):
+    input, mean, rstd = memory.fenced([input, mean, rstd], [grad_out])  # Note [Backward ...]
     x = opmath(input)
     ct = x.dtype
     g = grad_out.astype(ct)
@@ -258,6 +259,7 @@ def native_layer_norm_backward(
 
 @register(aten.native_group_norm_backward.default)
 def native_group_norm_backward(grad_out, input, mean, rstd, weight, N, C, HxW, group, output_mask):
+    input, mean, rstd = memory.fenced([input, mean, rstd], [grad_out])  # Note [Backward ...]
     x = opmath(input)
     ct = x.dtype
     x = x.reshape(N, group, C // group, -1)
@@ -305,6 +307,9 @@ def _loss_norm(self, reduction):
 
 @register(aten.nll_loss_backward.default, aten.nll_loss2d_backward.default)
 def nll_loss_backward(grad_output, self, target, weight, reduction, ignore_index, total_weight):
+    # the dense (rows, classes) gradient is built from the targets only once the log-probabilities
+    # exist, not as early as the targets do (Note [Backward rules read fenced forward values])
+    target, weight, total_weight = memory.fenced([target, weight, total_weight], [self])
     ct = acc_dtype(self.dtype)
     cdim = 1 if self.ndim >= 2 else 0
     valid = target != ignore_index
@@ -382,7 +387,10 @@ def native_dropout_backward(grad_output, mask, scale):
 
 
 def attention_backward(grad_out, q, k, v, out, lse, mask, is_causal, scale, keep=None, p_drop=0.0):
-    """Flash-attention style gradients from the saved logsumexp; returns (dq, dk, dv, dscores)."""
+    """Flash-attention style gradients from the saved logsumexp; returns (dq, dk, dv, dscores).
+    The forward's values are read through a fence (Note [Backward rules read fenced forward
+    values] in memory.py): the probabilities are recomputed here, not kept from the forward."""
+    q, k = memory.fenced([q, k], [grad_out])
     s = nn.attn_scores(q, k, mask, is_causal, scale)
     p = nn.attn_probs(s, lse)
     kx, vx = nn._expand_kv(q, k), nn._expand_kv(q, v)

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from jax import lax
 
+from torchacc.lowering import memory
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.registry import register
 
@@ -616,11 +617,16 @@ def _activation(fn):
 
 
 def _backward(fn):
-    """Rule body for ``fn(grad, x, *params)``: grad and input in opmath, result in grad's dtype."""
+    """Rule body for ``fn(grad, x, *params)``: grad and input in opmath, result in grad's dtype;
+    a half ``x`` is read through a fence (Note [Backward rules read fenced forward values] in
+    memory.py: its float32 upcast and what the forward computed from it would otherwise stay
+    alive); a float32 one is not, which keeps XLA:CPU's fusion of the float32 math as it was."""
 
     def rule(grad_output, self, *params, **kw):
         dt = result_type(grad_output, self)
         ct = opmath_dtype(dt)
+        if self.dtype != ct:
+            (self,) = memory.fenced([self], [grad_output])
         ps = [p if isinstance(p, (bool, str)) or p is None else cast(p, ct) for p in params]
         return fn(cast(grad_output, ct), cast(self, ct), *ps, **kw).astype(dt)
 

@@ -56,12 +56,10 @@ def program_of(graph):
     ]
     loose_slots = [i for i, code in enumerate(graph.in_codes) if code == pack.LOOSE]
     out_groups = [[] for _ in graph.out_packs]
-    loose_outs = []
     for j, code in sorted(enumerate(graph.out_codes), key=lambda jc: jc[1]):
-        if code == pack.LOOSE:
-            loose_outs.append(j)
-        else:  # by pack, then offset
+        if code != pack.LOOSE:  # by pack, then offset
             out_groups[code >> pack.SHIFT].append(j)
+    loose_outs = graph.out_order  # Note [Donation pairs] (key.py)
     # Note [Flat optimizer updates] (lowering/optim.py): small state members are pieces of packs
     packed_limit = pack.max_numel() if n_packs else 0
 

@@ -5,6 +5,7 @@ Note [What a compiled step is keyed on] is in key.py.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import time
 
@@ -81,7 +82,34 @@ def compiled_for(graph, args, shardings=None):
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
     _cache[key] = exe
+    release_freed_memory()
     return exe
+
+
+# Note [Giving a compile's memory back]
+# XLA's compile allocates and frees hundreds of MB of small blocks (HLO passes, LLVM) on its
+# threads; glibc keeps what they free in its arenas, where the step's own buffers (XLA:CPU takes
+# its temp memory in one large mapping) do not reuse it. So a process that compiled GPT-2 124M's
+# step peaked ~0.6 GiB higher at every later step than one that loaded it from the persistent
+# cache. After each compile (a cache miss: rare, and seconds long) ``malloc_trim`` hands the free
+# pages back to the OS. It only releases memory that nothing uses, and costs milliseconds. Off
+# where the C library has no ``malloc_trim`` (not glibc) or with TORCHACC_MALLOC_TRIM=0.
+_malloc_trim = []
+
+
+def release_freed_memory():
+    """Return the C heap's free pages to the OS (Note [Giving a compile's memory back])."""
+    if not _malloc_trim:
+        fn = None
+        if os.environ.get("TORCHACC_MALLOC_TRIM", "1").strip().lower() not in ("0", "off"):
+            try:
+                fn = ctypes.CDLL(None).malloc_trim
+                fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+            except (OSError, AttributeError):
+                fn = None
+        _malloc_trim.append(fn)
+    if _malloc_trim[0] is not None:
+        _malloc_trim[0](0)
 
 
 def count_memory_hit():

@@ -50,12 +50,15 @@ class Graph:
         "loose",
         "out_codes",
         "out_packs",
+        "out_order",
     )
 
-    def __init__(self, outputs, held=None, plan=None):
+    def __init__(self, outputs, held=None, plan=None, starts=None):
         """``held``: ids of the Values and buffers live storages hold (``_live_outputs``), for
         donation (None: donate nothing); ``plan``: which outputs come back packed
-        (``pack.output_plan``; None: none, Note [Packed state] in pack.py)."""
+        (``pack.output_plan``; None: none, Note [Packed state] in pack.py); ``starts``: per
+        output the Value its storage held when the step began (``Storage.start``), which
+        decides which donated buffer each output takes (Note [Donation pairs])."""
         order, inputs = _collect(outputs)
         for i, v in enumerate(inputs):
             v.slot = i
@@ -85,16 +88,18 @@ class Graph:
         self.out_codes, self.out_packs = plan
         arg_avals = [((p.size,), p.dtype) for p in self.packs]
         arg_avals += [(v.desc[0], v.desc[2]) for v in self.loose]
+        loose_outs = [j for j, c in enumerate(self.out_codes) if c < 0]
         if held is None:
-            self.donate = ()
+            self.donate, self.out_order = (), tuple(loose_outs)
         else:
-            out_avals = [((n,), d) for n, d, _ in self.out_packs]
-            out_avals += [(v.desc[0], v.desc[2]) for v, c in zip(outputs, self.out_codes) if c < 0]
+            pack_avals = [((n,), d) for n, d, _ in self.out_packs]
+            outs = [(j, (outputs[j].desc[0], outputs[j].desc[2])) for j in loose_outs]
             flags = donatable_flags(self.packs, self.loose, held)
-            self.donate = donations(arg_avals, out_avals, flags)
+            partners = _partners(self.loose, len(self.packs), outputs, loose_outs, starts)
+            self.donate, self.out_order = donations(arg_avals, pack_avals, outs, flags, partners)
         in_avals = tuple([(v.desc[0], v.desc[2]) for v in inputs])
         layout = (self.in_codes, tuple(arg_avals[: len(self.packs)]), self.out_packs)
-        self.key = (in_avals, tuple(parts), out_slots, self.donate, layout)
+        self.key = (in_avals, tuple(parts), out_slots, self.donate, self.out_order, layout)
 
     def args(self):
         """The program's array arguments: the packs' arrays, then the loose inputs' arrays."""
@@ -118,20 +123,85 @@ def donatable_flags(packs, loose, held):
     return tuple(flags)
 
 
-def donations(arg_avals, out_avals, flags):
-    """Positions of arguments whose buffers an output of the same shape and dtype can take over.
+# Note [Donation pairs]
+# JAX gives a donated argument's buffer to the first result of the same shape and dtype, walking
+# the results in order and taking donated arguments in order (per shape and dtype). Which result
+# gets which buffer is invisible to the program's meaning (XLA copies where a buffer is still
+# read after its new owner is written), but not to its memory: a result given the buffer of the
+# very value it updates (a parameter, an optimizer moment) is computed in place, while a result
+# given another same-shaped value's buffer (exp_avg_sq of one parameter into exp_avg's buffer,
+# or layer 2's weight into layer 1's) makes XLA copy that value at the start and keep the copy
+# alive until the end. GPT-2 124M's AdamW step held 149 such copies (1.3 GB of its 2.2 GB of
+# temp memory) before the pairing below. So the donated arguments are chosen and the program's
+# loose results are ordered such that JAX's rule pairs every result whose storage held a
+# donated argument when the step began (``Storage.start``) with that argument: the order is part
+# of the key and of a known step's launch, and ``pack.bind`` follows it.
 
-    Only as many arguments of a given shape/dtype are donated as there are outputs of it: XLA
-    could not use the others (and JAX would warn on every compile)."""
+
+def _partners(loose, first, outputs, loose_outs, starts):
+    """Per loose output (``loose_outs``), the argument position of the loose input its storage
+    held when the step began, or None."""
+    if starts is None:
+        return [None] * len(loose_outs)
+    where = {id(v): first + i for i, v in enumerate(loose)}
+    return [None if starts[j] is None else where.get(id(starts[j])) for j in loose_outs]
+
+
+def donations(arg_avals, pack_avals, outs, flags, partners):
+    """The positions of the arguments whose buffers results take over, and the order of the
+    loose results in the program (Note [Donation pairs]).
+
+    ``arg_avals``: per argument (packs, then loose inputs) its (shape, dtype); ``pack_avals``:
+    the packed results' (they come first); ``outs``: per loose result (output index, aval);
+    ``flags``: per argument whether no live storage holds it; ``partners``: per loose result the
+    argument its storage held, or None. Only as many arguments of a given shape/dtype are
+    donated as there are results of it: XLA could not use the others (and JAX would warn on
+    every compile); partners are chosen first."""
     free = {}
-    for aval in out_avals:
+    for aval in pack_avals:
         free[aval] = free.get(aval, 0) + 1
-    donate = []
+    for _, aval in outs:
+        free[aval] = free.get(aval, 0) + 1
+    chosen = set()
+    for (_, aval), a in zip(outs, partners):
+        if a is not None and flags[a] and arg_avals[a] == aval and a not in chosen:
+            if free[aval] > 0:
+                free[aval] -= 1
+                chosen.add(a)
     for i, (aval, ok) in enumerate(zip(arg_avals, flags)):
-        if ok and free.get(aval, 0) > 0:
+        if ok and i not in chosen and free.get(aval, 0) > 0:
             free[aval] -= 1
-            donate.append(i)
-    return tuple(donate)
+            chosen.add(i)
+    donate = tuple(sorted(chosen))
+    queues = {}  # per aval, the donated arguments in the order JAX hands them out
+    for i in donate:
+        queues.setdefault(arg_avals[i], []).append(i)
+    taken = {}  # per aval, how many the packed results (first in the program) take
+    for aval in pack_avals:
+        taken[aval] = taken.get(aval, 0) + 1
+    by_aval, wants = {}, {}
+    for k, (_, aval) in enumerate(outs):
+        by_aval.setdefault(aval, []).append(k)
+        if partners[k] is not None:
+            wants.setdefault(partners[k], k)
+    rank = [None] * len(outs)  # the argument each loose result is to receive
+    for aval, queue in queues.items():
+        left = queue[taken.get(aval, 0) :]
+        coming = set(left)
+        results = by_aval.get(aval, [])
+        # results whose own argument is not coming first, then the others, for the leftovers
+        spare = [k for k in results if partners[k] not in coming]
+        spare += [k for k in results if partners[k] in coming]
+        s = 0
+        for a in left:
+            k = wants.get(a)
+            if k is None or rank[k] is not None or outs[k][1] != aval:
+                while rank[spare[s]] is not None:
+                    s += 1
+                k = spare[s]
+            rank[k] = a
+    order = sorted(range(len(outs)), key=lambda k: (0, rank[k]) if rank[k] is not None else (1, k))
+    return donate, tuple([outs[k][0] for k in order])
 
 
 def _collect(outputs):

@@ -73,7 +73,7 @@ class Variant:
         self.scalar_pos = scalar_pos
         self.n_order = n_order
         # (input codes, pack sizes, donatable flags, precision key) ->
-        # (executable, donated positions, output codes, output packs)
+        # (executable, donated positions, output codes, output packs, loose output order)
         self.launches = {}
         self.plan = None  # (output codes, output packs, max_numel) the last time it was learnt
 
@@ -89,13 +89,14 @@ class Launch:
         "donate",
         "out_codes",
         "out_packs",
+        "out_order",
         "floats",
         "ints",
         "n_order",
     )
 
     def __init__(self, compiled, packs, loose, floats, ints, n_order):
-        self.exe, self.donate, self.out_codes, self.out_packs = compiled
+        self.exe, self.donate, self.out_codes, self.out_packs, self.out_order = compiled
         self.packs = packs
         self.loose = loose
         self.floats = floats
@@ -311,7 +312,7 @@ def learn(graph, exe, held, precision_key):
     if len(variant.launches) >= _MAX_VARIANTS:
         del variant.launches[next(iter(variant.launches))]
     flags = donatable_flags(graph.packs, graph.loose, held)
-    compiled = (exe, graph.donate, graph.out_codes, graph.out_packs)
+    compiled = (exe, graph.donate, graph.out_codes, graph.out_packs, graph.out_order)
     variant.plan = (graph.out_codes, graph.out_packs, pack.max_numel())
     sizes = tuple([p.size for p in graph.packs])
     spmd = sharding.launch_key(graph.loose)  # Note [SPMD mode] in runtime/mesh.py

@@ -233,16 +233,15 @@ def _gather(size, layout, *sources):
 _gather_jit = jax.jit(_gather, static_argnums=(0, 1))
 
 
-def bind(results, outputs, out_codes, out_packs):
+def bind(results, outputs, out_codes, out_packs, out_order):
     """Give each output Value its array or its piece of a pack (``results``: the packs first, as
-    ``output_plan`` gave them in ``out_packs``, then the loose outputs)."""
+    ``output_plan`` gave them in ``out_packs``, then the loose outputs in ``out_order``, Note
+    [Donation pairs] in key.py)."""
     packs = [Pack(a, n, dtype, state) for a, (n, dtype, state) in zip(results, out_packs)]
-    j = len(packs)
+    for j, r in zip(out_order, results[len(packs) :]):
+        outputs[j].buf = r
     for v, code in zip(outputs, out_codes):
-        if code < 0:
-            v.buf = results[j]
-            j += 1
-        else:
+        if code >= 0:
             v.buf = (packs[code >> SHIFT], code & MASK)
         v.node = None
 

@@ -79,7 +79,8 @@ def padded_shape(shape, sharding):
 
 def plan(graph, outputs, starts):
     """``(argument shardings, result shardings, padded argument shapes, padded result shapes)``
-    of ``graph``'s program (a shape entry is None where nothing is padded)."""
+    of ``graph``'s program (a shape entry is None where nothing is padded; results in the
+    program's order, ``graph.out_order``)."""
     rep = mesh.replicated()
     arrays = graph.args()
     ins = (rep, rep, *[a.sharding for a in arrays])
@@ -92,7 +93,8 @@ def plan(graph, outputs, starts):
         if any(e is not None for e in a.sharding.spec):
             like.setdefault((tuple(v.desc[0]), v.desc[2]), a)
     outs, out_pads = [], []
-    for i, v in enumerate(outputs):
+    for i in graph.out_order:  # the program's order of results (Note [Donation pairs])
+        v = outputs[i]
         start = None if starts is None else starts[i]
         logical = tuple(v.desc[0])
         a = None if start is None else start.buf
@@ -113,7 +115,7 @@ def unpadded(program, graph, in_pads, out_pads):
     if not any(in_pads) and not any(out_pads):
         return program
     logical_in = [v.desc[0] for v in graph.loose]
-    logical_out = [v.desc[0] for v in graph.outputs]
+    logical_out = [graph.outputs[j].desc[0] for j in graph.out_order]
 
     def run(floats, ints, *arrays):
         arrays = [
