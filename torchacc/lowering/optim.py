@@ -97,6 +97,11 @@ def packed_members(limit):
         _packed_limit[0] = old
 
 
+def packed_limit():
+    """The element count up to which members are pieces of a pack now (0: none are)."""
+    return _packed_limit[0]
+
+
 def _lists_update(update, lists, n, scalars_of=None, keys=None):
     """``update(arrays, scalars)`` -> new arrays, for each of the ``n`` members of ``lists`` (an
     empty list gives None members); the members a pack would hold, once per flat group of equal

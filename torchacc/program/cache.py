@@ -9,11 +9,12 @@ import os
 import time
 
 import jax
+import numpy as np
 
 from torchacc import metrics
 from torchacc.lowering import precision
 from torchacc.program import known, sharding, spmd  # Note [Multi-process programs]
-from torchacc.program.build import program_of
+from torchacc.program.build import piece_offsets, program_of
 
 _cache: dict = {}
 _persistent_hits = [0]
@@ -75,13 +76,42 @@ def compiled_for(graph, args, shardings=None):
             exe = fn.lower(*args).compile()
         elif spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
             exe = spmd.compile_spmd(program_of(graph), args, donate)
-        else:
-            fn = jax.jit(program_of(graph), donate_argnums=donate)
-            exe = fn.lower(*args).compile()
+        else:  # Note [Pieces read at offset arguments] in build.py
+            offsets = [_offset(o) for o in piece_offsets(graph)]
+            fn = jax.jit(program_of(graph, offsets=True), donate_argnums=donate)
+            exe = fn.lower(*args, *offsets).compile()
+            if offsets:
+                exe = _WithOffsets(exe, offsets)
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
     _cache[key] = exe
     return exe
+
+
+_offsets: dict = {}
+
+
+def _offset(o):
+    """A device int32 scalar ``o``, made once (Note [Pieces read at offset arguments])."""
+    a = _offsets.get(o)
+    if a is None:
+        a = _offsets[o] = jax.device_put(np.int32(o))
+    return a
+
+
+class _WithOffsets:
+    """An executable whose trailing arguments are its pieces' offsets, passed on every call."""
+
+    __slots__ = ("exe", "offsets")
+
+    def __init__(self, exe, offsets):
+        self.exe, self.offsets = exe, offsets
+
+    def __call__(self, *args):
+        return self.exe(*args, *self.offsets)
+
+    def __getattr__(self, name):  # memory_analysis(), as_text(), ...
+        return getattr(self.exe, name)
 
 
 def count_memory_hit():

@@ -259,6 +259,12 @@ def piece(flat, offset, shape):
     return jax.lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
 
 
+def piece_at(flat, offset, shape):
+    """Inside a program: the piece of ``flat`` at the runtime ``offset`` with ``shape`` (Note
+    [Pieces read at offset arguments] in build.py)."""
+    return jax.lax.dynamic_slice(flat, (offset,), (math.prod(shape),)).reshape(shape)
+
+
 def concat(arrays):
     """Inside a program: one pack of ``arrays`` (all of one dtype), flattened in order."""
     if len(arrays) == 1:
