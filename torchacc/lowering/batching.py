@@ -119,7 +119,7 @@ def apply_flat(fn, calls, limit):
     for i, (_tree, leaves) in enumerate(flat):
         own = [leaf for s, leaf in zip(shared, leaves) if not s]
         shape = own[0].shape if own and isinstance(own[0], jax.Array) else None
-        if shape and all(
+        if shape is not None and all(
             isinstance(a, jax.Array) and a.shape == shape and a.size <= limit for a in own
         ):
             groups.setdefault(tuple(a.dtype for a in own), []).append(i)

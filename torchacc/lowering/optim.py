@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchacc import metrics
@@ -138,9 +139,28 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
             out[idx[0]] = update(members(idx[0]), scalars(idx[0]))
             continue
         metrics.counter_inc("FlatOptimizerUpdate")
-        for i, results in zip(idx, _flat_update(update, lists, idx, scalars)):
+        flat_scalars = _span_scalars(scalars_of, keys, idx, lists) or scalars
+        for i, results in zip(idx, _flat_update(update, lists, idx, flat_scalars)):
             out[i] = results
     return [list(column) for column in zip(*out)] if n else []
+
+
+def _span_scalars(scalars_of, keys, idx, lists):
+    """Where the members ``idx`` have step counts of their own (0-d arrays): their scalars
+    computed once for all of them as vectors and repeated over each member's span, in a
+    ``scalars(i)`` form whose values ``_flat_update`` sees as shared; else None. Member by
+    member each count's scalars were kernels of their own, one per member (Note [Flat optimizer
+    updates]); the same operations run elementwise, so the values are the same."""
+    if scalars_of is None:
+        return None
+    steps = [keys[i] for i in idx]
+    if all(k is steps[0] for k in steps) or any(jnp.ndim(k) != 0 for k in steps):
+        return None
+    sizes = [lists[0][i].size for i in idx]
+    vectors = scalars_of(jnp.stack([jnp.asarray(k) for k in steps]))
+    total = sum(sizes)
+    spans = tuple(jnp.repeat(v, np.asarray(sizes), total_repeat_length=total) for v in vectors)
+    return lambda i: spans
 
 
 def _flat_update(update, lists, idx, scalars):
@@ -189,7 +209,7 @@ def _adam(
     lr, beta1, beta2, eps = _scalar(lr), _scalar(beta1), _scalar(beta2), _scalar(eps)
 
     def bias_corrections(step):  # float64, as torch's kernels compute them in double
-        step = _scalar(step)
+        step = _scalar(step) if jnp.size(step) == 1 else jnp.asarray(step).astype(jnp.float64)
         return lr / (1.0 - beta1**step), jnp.sqrt(1.0 - beta2**step)
 
     def update(arrays, scalars):
