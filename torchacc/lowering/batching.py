@@ -1,4 +1,5 @@
-"""Same-shaped calls of one rule as one batched (``jax.vmap``) call: the optimizer updates.
+"""Same-shaped calls of one rule as one batched (``jax.vmap``) call, and elementwise calls on
+pieces of a pack as one flat call (``apply_flat``): the optimizer updates.
 
 Note [Batched optimizer updates]
 An optimizer step applies the same elementwise update to every parameter. Member by member, each
