@@ -23,7 +23,6 @@ from __future__ import annotations
 import contextlib
 
 import jax.numpy as jnp
-import numpy as np
 import torch
 
 from torchacc import metrics
@@ -78,10 +77,11 @@ def _unscaled(grad, grad_scale, compute):
 # ``FlatOptimizerUpdate`` in torchacc.metrics when a program is lowered. Per-member scalars
 # (each member's bias corrections) stay one scalar where the members share their step count
 # (Note [One step count per group] in amp/syncfree/_base.py); where each has a count of its own
-# (torch's fused Adam), the counts are stacked and the scalars computed once as vectors, then
-# repeated over each member's span (``_span_scalars``: one kernel, not one per member). The
-# foreach path's list ops (``_foreach_*`` batched nodes, Note [Batched foreach nodes]) do the
-# same for their elementwise ops on pieces (``batching.apply_flat``), 0-d step counts included.
+# (torch's fused Adam) they are broadcast over each member's span, a few small kernels per member
+# still (computing them as one vector and repeating it over the spans, ``jnp.repeat``, compiled
+# slower on XLA:CPU: GPT-2's fused step 6.7 s instead of 3.9 s). The foreach path's list ops
+# (``_foreach_*`` batched nodes, Note [Batched foreach nodes]) do the same for their elementwise
+# ops on pieces (``batching.apply_flat``), 0-d step counts included.
 # Each element sees the same operations as member by member; only the last bit may differ where
 # XLA:CPU vectorizes a long array differently (tests/test_cold_step.py finds the same bits).
 
@@ -143,28 +143,9 @@ def _lists_update(update, lists, n, scalars_of=None, keys=None):
             out[idx[0]] = update(members(idx[0]), scalars(idx[0]))
             continue
         metrics.counter_inc("FlatOptimizerUpdate")
-        flat_scalars = _span_scalars(scalars_of, keys, idx, lists) or scalars
-        for i, results in zip(idx, _flat_update(update, lists, idx, flat_scalars)):
+        for i, results in zip(idx, _flat_update(update, lists, idx, scalars)):
             out[i] = results
     return [list(column) for column in zip(*out)] if n else []
-
-
-def _span_scalars(scalars_of, keys, idx, lists):
-    """Where the members ``idx`` have step counts of their own (0-d arrays): their scalars
-    computed once for all of them as vectors and repeated over each member's span, in a
-    ``scalars(i)`` form whose values ``_flat_update`` sees as shared; else None. Member by
-    member each count's scalars were kernels of their own, one per member (Note [Flat optimizer
-    updates]); the same operations run elementwise, so the values are the same."""
-    if scalars_of is None:
-        return None
-    steps = [keys[i] for i in idx]
-    if all(k is steps[0] for k in steps) or any(jnp.ndim(k) != 0 for k in steps):
-        return None
-    sizes = [lists[0][i].size for i in idx]
-    vectors = scalars_of(jnp.stack([jnp.asarray(k) for k in steps]))
-    total = sum(sizes)
-    spans = tuple(jnp.repeat(v, np.asarray(sizes), total_repeat_length=total) for v in vectors)
-    return lambda i: spans
 
 
 def _flat_update(update, lists, idx, scalars):
@@ -213,7 +194,7 @@ def _adam(
     lr, beta1, beta2, eps = _scalar(lr), _scalar(beta1), _scalar(beta2), _scalar(eps)
 
     def bias_corrections(step):  # float64, as torch's kernels compute them in double
-        step = _scalar(step) if jnp.size(step) == 1 else jnp.asarray(step).astype(jnp.float64)
+        step = _scalar(step)
         return lr / (1.0 - beta1**step), jnp.sqrt(1.0 - beta2**step)
 
     def update(arrays, scalars):
