@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from torchacc.ir import Node, OpEntry, Value
@@ -18,8 +20,8 @@ from torchacc.lazy.record import (
     value_of,
 )
 from torchacc.lazy.tensor import LazyTensor
-from torchacc.lowering import lookup
-from torchacc.lowering.batching import apply_batched
+from torchacc.lowering import lookup, optim
+from torchacc.lowering.batching import apply_flat
 from torchacc.lowering.registry import Rule
 
 aten = torch.ops.aten
@@ -123,8 +125,8 @@ def _batched_rule(rule):
     if batched is None:
         fn = rule.fn
 
-        def apply_each(*calls):  # same-shaped elements as one (Note [Batched optimizer updates])
-            return apply_batched(fn, calls)
+        def apply_each(*calls):  # Note [Batched optimizer updates], [Flat optimizer updates]
+            return apply_flat(fn, calls, optim.packed_limit())
 
         batched = _batched_rules[rule.name] = Rule(
             apply_each, rule.static, False, False, f"batched {rule.name}"
@@ -177,6 +179,8 @@ def foreach_handler(func, handler_of):
             each = per_element[i]
             if not each and isinstance(a, torch.Tensor) and a.dim() == 1 and a.device.type == "cpu":
                 a, each = [a[j] for j in range(n)], True  # a tensor of per-element scalars
+            elif each and _same_numbers(a):  # Note [Shared foreach scalars]
+                a, each = a[0], False
             if names[i] in target_kw:
                 kw_cols.append((names[i], each, a))
             elif len(pos_cols) < len(target_pos):
@@ -209,6 +213,34 @@ def foreach_handler(func, handler_of):
         return None if inplace else results
 
     return handler
+
+
+# Note [Shared foreach scalars]
+# torch.optim's foreach Adam/AdamW pass each parameter's bias corrections as a list of Python
+# numbers (``_foreach_div_(sqs, bias_correction2_sqrt)``, ``_foreach_addcdiv_(..., step_size)``),
+# one per parameter, equal whenever the parameters share their step count (always, in a plain
+# loop). Recorded one runtime scalar per element, each element's kernel read its own slot of the
+# program's scalar vector, so no two parameters' update kernels were the same program and XLA
+# compiled every one (~10-20 ms each on XLA:CPU; most of GPT-2's cold AdamW step, issue 32). A
+# list whose numbers are all the same (same type, same value, same sign of zero) is recorded as
+# one shared scalar instead: every element reads the same slot, same-shaped parameters get
+# identical kernels, and XLA compiles each once. The values the element ops see are the same, so
+# results are bit for bit the same. A list whose numbers differ keeps one scalar per element (a
+# different node signature, so a different program, never a wrong one).
+
+
+def _same_numbers(col):
+    """Whether ``col`` is a list of 2+ equal Python numbers (Note [Shared foreach scalars])."""
+    if type(col) is not list or len(col) < 2:
+        return False
+    first = col[0]
+    tp = type(first)
+    if tp is float:
+        sign = math.copysign(1.0, first)
+        return all(type(v) is float and v == first and math.copysign(1.0, v) == sign for v in col)
+    if tp is int:
+        return all(type(v) is int and v == first for v in col)
+    return False
 
 
 def _element_calls(n, pos_cols, kw_cols):

@@ -1,4 +1,5 @@
-"""Same-shaped calls of one rule as one batched (``jax.vmap``) call: the optimizer updates.
+"""Same-shaped calls of one rule as one batched (``jax.vmap``) call, and elementwise calls on
+pieces of a pack as one flat call (``apply_flat``): the optimizer updates.
 
 Note [Batched optimizer updates]
 An optimizer step applies the same elementwise update to every parameter. Member by member, each
@@ -99,3 +100,69 @@ def _vmapped(fn, tree, leaves_per_call):
         jax.tree_util.tree_unflatten(out_tree, [leaf[k] for leaf in out_leaves])
         for k in range(len(leaves_per_call))
     ]
+
+
+def apply_flat(fn, calls, limit):
+    """``[fn(*args, **kwargs) for args, kwargs in calls]`` for an elementwise ``fn`` (each call's
+    array arguments all have its result's shape), with the calls whose arrays are pieces of a
+    pack (at most ``limit`` elements) run as one call on flat arrays per dtype signature (Note
+    [Flat optimizer updates] in optim.py); the others through ``apply_batched``."""
+    if not limit or len(calls) < 2:
+        return apply_batched(fn, calls)
+    flat = [jax.tree_util.tree_flatten(call)[::-1] for call in calls]
+    tree0, first = flat[0]
+    if any(tree != tree0 or len(leaves) != len(first) for tree, leaves in flat):
+        return apply_batched(fn, calls)
+    shared = [all(_same(f[1][j], leaf) for f in flat) for j, leaf in enumerate(first)]
+    if any(s and isinstance(leaf, jax.Array) and leaf.ndim for s, leaf in zip(shared, first)):
+        return apply_batched(fn, calls)  # a shared array would not broadcast over a flat one
+    groups, alone = {}, []
+    for i, (_tree, leaves) in enumerate(flat):
+        own = [leaf for s, leaf in zip(shared, leaves) if not s]
+        shape = own[0].shape if own and isinstance(own[0], jax.Array) else None
+        if shape is not None and all(
+            isinstance(a, jax.Array) and a.shape == shape and a.size <= limit for a in own
+        ):
+            groups.setdefault(tuple(a.dtype for a in own), []).append(i)
+        else:
+            alone.append(i)
+    out = [None] * len(calls)
+    for i, r in zip(alone, apply_batched(fn, [calls[i] for i in alone])):
+        out[i] = r
+    for idx in groups.values():
+        if len(idx) == 1:
+            out[idx[0]] = fn(*calls[idx[0]][0], **calls[idx[0]][1])
+            continue
+        for i, r in zip(idx, _flat_call(fn, tree0, shared, [flat[i][1] for i in idx])):
+            out[i] = r
+    return out
+
+
+def _same(a, b):
+    if a is b:
+        return True
+    return not isinstance(a, jax.Array) and type(a) is type(b) and a == b
+
+
+def _flat_call(fn, tree, shared, leaves_per_call):
+    """One call of ``fn`` on the calls' own arrays raveled and concatenated; per call its slice
+    of the result (member by member instead if ``fn`` does not return one flat array)."""
+    sizes = [next(x for s, x in zip(shared, c) if not s).size for c in leaves_per_call]
+    shapes = [next(x for s, x in zip(shared, c) if not s).shape for c in leaves_per_call]
+    first = leaves_per_call[0]
+    leaves = [
+        leaf if s else jax.numpy.concatenate([c[j].ravel() for c in leaves_per_call])
+        for j, (s, leaf) in enumerate(zip(shared, first))
+    ]
+    args, kwargs = jax.tree_util.tree_unflatten(tree, leaves)
+    result = fn(*args, **kwargs)
+    total = sum(sizes)
+    if not (isinstance(result, jax.Array) and result.shape == (total,)):
+        calls = [jax.tree_util.tree_unflatten(tree, c) for c in leaves_per_call]
+        return [fn(*a, **k) for a, k in calls]
+    metrics.counter_inc("FlatOptimizerUpdate")
+    out, start = [], 0
+    for size, shape in zip(sizes, shapes):
+        out.append(result[start : start + size].reshape(shape))
+        start += size
+    return out

@@ -588,7 +588,9 @@ def layer_norm_stats(x, axes, eps):
     return mean, lax.rsqrt(var + scalar(eps, x.dtype))
 
 
-@register(aten.native_layer_norm.default)
+# eps is static: a runtime eps is a slot of its own per layer, which makes every layer's
+# normalization kernel distinct (Note [Pieces read at offset arguments] in program/build.py)
+@register(aten.native_layer_norm.default, static=("eps",))
 def native_layer_norm(input, normalized_shape, weight, bias, eps):
     x = opmath(input)
     axes = tuple(range(x.ndim - len(normalized_shape), x.ndim))

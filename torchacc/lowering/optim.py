@@ -75,10 +75,15 @@ def _unscaled(grad, grad_scale, compute):
 # more kernels and copies, not fewer (measured on the narrow ResNet-50 step); the program stage
 # says which programs read packs (``packed_members``). Each flat group counts
 # ``FlatOptimizerUpdate`` in torchacc.metrics when a program is lowered. Per-member scalars
-# (each member's bias corrections) are broadcast over its span, or stay one scalar where the
-# members share their step count (Note [One step count per group] in amp/syncfree/_base.py). Each
-# element sees the same operations as member by member; only the last bit may differ where XLA:CPU
-# vectorizes a long array differently.
+# (each member's bias corrections) stay one scalar where the members share their step count
+# (Note [One step count per group] in amp/syncfree/_base.py); where each has a count of its own
+# (torch's fused Adam) they are broadcast over each member's span, a few small kernels per member
+# still (computing them as one vector and repeating it over the spans, ``jnp.repeat``, compiled
+# slower on XLA:CPU: GPT-2's fused step 6.7 s instead of 3.9 s). The foreach path's list ops
+# (``_foreach_*`` batched nodes, Note [Batched foreach nodes]) do the same for their elementwise
+# ops on pieces (``batching.apply_flat``), 0-d step counts included.
+# Each element sees the same operations as member by member; only the last bit may differ where
+# XLA:CPU vectorizes a long array differently (tests/test_cold_step.py finds the same bits).
 
 
 _packed_limit = [0]  # set while the program stage traces a program whose state comes packed
@@ -95,6 +100,11 @@ def packed_members(limit):
         yield
     finally:
         _packed_limit[0] = old
+
+
+def packed_limit():
+    """The element count up to which members are pieces of a pack now (0: none are)."""
+    return _packed_limit[0]
 
 
 def _lists_update(update, lists, n, scalars_of=None, keys=None):

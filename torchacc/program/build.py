@@ -24,8 +24,11 @@ def _fill(t, env, scalars):
     return t
 
 
-def program_of(graph):
-    """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules."""
+def program_of(graph, offsets=False):
+    """A pure function (floats, ints, *inputs) -> outputs replaying the graph's rules. With
+    ``offsets``, ``(floats, ints, *inputs, *offsets)``: the pieces of packs that per-tensor ops
+    read are read at the ``piece_offsets(graph)`` arguments (Note [Pieces read at offset
+    arguments])."""
 
     steps = []
     fpos = ipos = 0
@@ -44,7 +47,10 @@ def program_of(graph):
         base += len(op.descs)
         kinds = _scalar_kinds(node)
         nested = type(op.kind) is tuple  # a tuple of lists (fused optimizers): flattened in order
-        steps.append((op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs, nested))
+        lists = nested or op.kind == "list"  # a list op: it reads pieces where they lie
+        steps.append(
+            (op.rule, op.args, op.kwargs, in_ids, slots, kinds, out_ids, op.descs, nested, lists)
+        )
     out_ids = list(graph.out_slots)
     nslots = base
     # Note [Packed state] (pack.py): the array arguments are the packs, then the loose inputs
@@ -63,18 +69,28 @@ def program_of(graph):
     # Note [Flat optimizer updates] (lowering/optim.py): small state members are pieces of packs
     packed_limit = pack.max_numel() if n_packs else 0
 
+    n_arrays = len(graph.inputs) - len(in_places) + n_packs
+    dynamic = _dynamic_pieces(steps, in_places) if offsets else {}
+
     def program(floats, ints, *arrays):
         with optim.packed_members(packed_limit):
-            return replay(floats, ints, arrays)
+            return replay(floats, ints, arrays[:n_arrays], arrays[n_arrays:])
 
-    def replay(floats, ints, arrays):
+    def replay(floats, ints, arrays, offset_args):
         env = [None] * nslots
         for slot, a in zip(loose_slots, arrays[n_packs:]):
             env[slot] = a
+        pieces = {}  # slot -> the piece read at its offset argument, for per-tensor ops
         for slot, k, offset, shape in in_places:
             env[slot] = pack.piece(arrays[k], offset, shape)
-        for rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested in steps:
-            ins = [env[i] for i in in_ids]
+            j = dynamic.get(slot)
+            if j is not None:
+                pieces[slot] = pack.piece_at(arrays[k], offset_args[j], shape)
+        for rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested, lists in steps:
+            if lists or not pieces:
+                ins = [env[i] for i in in_ids]
+            else:
+                ins = [pieces.get(i, env[i]) for i in in_ids]
             sc = []
             for (vec, pos), kind in zip(slots, kinds):
                 x = (floats if vec == "f" else ints)[pos]
@@ -122,6 +138,45 @@ def program_of(graph):
         return packed + [results[j] for j in loose_outs]
 
     return program
+
+
+# Note [Pieces read at offset arguments]
+# A piece of a pack (Note [Packed state] in pack.py) read by a static slice makes every kernel
+# that reads it a program of its own: the slice's offset is part of the kernel, so the twelve
+# layers' layer norms, bias adds and GELUs of a GPT, identical otherwise, were a few hundred
+# distinct kernels, which XLA compiles one by one (~10-20 ms each on XLA:CPU; issue 32: most
+# of GPT-2's cold AdamW step beyond its forward+backward). XLA compiles identical kernels once,
+# so where ``compiled_for`` allows it the program takes each such piece's offset as an int32
+# argument of its own and reads the piece with a dynamic slice there: a kernel then differs from
+# its twin only in the buffers it is given. List ops (fused optimizers, batched foreach nodes)
+# keep reading pieces by static slices, which XLA folds back into one slice of the pack when
+# they update the pieces as one flat array (Note [Flat optimizer updates] in
+# lowering/optim.py). The values read are the same either way, so results are too.
+
+
+def _dynamic_pieces(steps, in_places):
+    """Input slot -> position of its offset argument, for the packed inputs a per-tensor op
+    reads (Note [Pieces read at offset arguments])."""
+    packed = {slot for slot, _k, _o, _s in in_places}
+    read = set()
+    for step in steps:
+        if not step[9]:
+            read.update(i for i in step[3] if i in packed)
+    return {slot: j for j, slot in enumerate(s for s, _k, _o, _s in in_places if s in read)}
+
+
+def piece_offsets(graph):
+    """The offsets ``program_of(graph, offsets=True)`` takes, in order."""
+    steps_read = set()
+    for node, in_ids in zip(graph.order, graph.key[1][1::2]):
+        op = node.op
+        if not (type(op.kind) is tuple or op.kind == "list"):
+            steps_read.update(in_ids)
+    return [
+        code & pack.MASK
+        for i, code in enumerate(graph.in_codes)
+        if code != pack.LOOSE and i in steps_read
+    ]
 
 
 def _scalar_kinds(node):

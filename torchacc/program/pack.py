@@ -46,7 +46,9 @@ the optimizer's, a few per parameter, so fused optimizers update the pieces of a
 array (Note [Flat optimizer updates] in lowering/optim.py): the narrow ResNet-50 step's two
 programs compile in 12.9 s and 13.3 s packed (13.4-14.5 s unpacked; 18.4 s and 24.1 s packed
 before the flat update), 1,128 kernels instead of 1,588. GPU compile time with packs is not
-measured yet.
+measured yet. The other readers of pieces (a GPT's layer norms and bias
+adds) read them at offset arguments (Note [Pieces read at offset arguments] in build.py), so
+their kernels are shared between layers again.
 """
 
 from __future__ import annotations
@@ -256,6 +258,12 @@ def piece(flat, offset, shape):
     """Inside a program: the piece of ``flat`` at ``offset`` with ``shape``."""
     n = math.prod(shape)
     return jax.lax.slice(flat, (offset,), (offset + n,)).reshape(shape)
+
+
+def piece_at(flat, offset, shape):
+    """Inside a program: the piece of ``flat`` at the runtime ``offset`` with ``shape`` (Note
+    [Pieces read at offset arguments] in build.py)."""
+    return jax.lax.dynamic_slice(flat, (offset,), (math.prod(shape),)).reshape(shape)
 
 
 def concat(arrays):
