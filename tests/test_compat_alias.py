@@ -62,13 +62,17 @@ def test_alias_resolves_torch_xla_modules():
     assert sys.modules["torchacc.torch_xla.core.xla_model"].__name__.startswith("torchacc.")
 
 
-def test_run_torch_xla_usage_errors(capsys):
+def test_run_torch_xla_usage_errors(capsys, monkeypatch):
     from torchacc import run_torch_xla
 
+    monkeypatch.delenv("TORCHACC_DEVICE_TYPE", raising=False)
     assert run_torch_xla.main([]) == 2
     assert "usage" in capsys.readouterr().err
     assert run_torch_xla.main(["no/such/script.py"]) == 2
     assert "no such script" in capsys.readouterr().err
+    # called in a process whose device is named torchacc, it leaves the environment alone (an
+    # exported name would follow every later child, run_torch_xla's own included)
+    assert "TORCHACC_DEVICE_TYPE" not in os.environ
 
 
 @pytest.mark.slow

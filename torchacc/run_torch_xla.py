@@ -29,8 +29,11 @@ def main(argv=None):
     from torchacc import alias
     from torchacc.lazy.device import DEVICE_TYPE
 
-    # child processes (multiprocessing spawn) name the device as this one does
-    os.environ.setdefault("TORCHACC_DEVICE_TYPE", DEVICE_TYPE)
+    # child processes (multiprocessing spawn) name the device as this one does; a process whose
+    # device is named torchacc (main() called in-process) exports nothing: its children would
+    # otherwise keep that name even where they are started with run_torch_xla themselves
+    if DEVICE_TYPE == "xla":
+        os.environ.setdefault("TORCHACC_DEVICE_TYPE", DEVICE_TYPE)
     alias.install()
     if argv[0] == "-m":
         if len(argv) < 2:
