@@ -24,14 +24,11 @@ state of its own, so ``assume_pure`` refuses random ops.
 
 from __future__ import annotations
 
-import hashlib
-
 import jax
-import numpy as np
 import torch
 
 from torchacc.lowering.registry import lookup, register
-from torchacc.lowering.scan import run_graph
+from torchacc.lowering.scan import graph_digest, run_graph
 
 _lib = torch.library.Library("torchacc", "FRAGMENT")
 _lib.define("call_graph(Tensor[] args, str graph) -> Tensor[]")
@@ -56,13 +53,7 @@ class Graph:
         self.key = self._key()
 
     def _key(self):
-        h = hashlib.sha256(self.gm.code.encode())
-        for n in self.placeholders:
-            v = n.meta.get("val")
-            h.update(repr((tuple(v.shape), v.dtype) if v is not None else None).encode())
-        for name, arr in sorted(self.consts.items()):
-            h.update(f"{name}{arr.shape}{arr.dtype}".encode())
-            h.update(np.ascontiguousarray(arr).tobytes())
+        h = graph_digest(self.gm, self.placeholders, self.consts)
         return f"{self.what.split()[0]}-{h.hexdigest()[:32]}"
 
     def run(self, arrays, key=None):

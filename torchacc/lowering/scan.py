@@ -65,13 +65,7 @@ class Body:
         self.key = self._key()
 
     def _key(self):
-        h = hashlib.sha256(self.gm.code.encode())
-        for n in self.placeholders:
-            v = n.meta.get("val")
-            h.update(repr((tuple(v.shape), v.dtype) if v is not None else None).encode())
-        for name, arr in sorted(self.consts.items()):
-            h.update(f"{name}{arr.shape}{arr.dtype}".encode())
-            h.update(np.ascontiguousarray(arr).tobytes())
+        h = graph_digest(self.gm, self.placeholders, self.consts)
         plumbing = (self.inputs, self.carry_out, self.y_out, self.carry_meta, self.y_meta)
         h.update(repr(plumbing).encode())
         return f"{self.name}-{h.hexdigest()[:32]}"
@@ -90,6 +84,18 @@ class Body:
         new_carry = [_pick(outs, p, m) for p, m in zip(self.carry_out, self.carry_meta)]
         ys = [_pick(outs, p, m) for p, m in zip(self.y_out, self.y_meta)]
         return new_carry, ys
+
+
+def graph_digest(gm, placeholders, consts):
+    """A sha256 of an FX graph's code, its placeholders' shapes and dtypes and its constants."""
+    h = hashlib.sha256(gm.code.encode())
+    for n in placeholders:
+        v = n.meta.get("val")
+        h.update(repr((tuple(v.shape), v.dtype) if v is not None else None).encode())
+    for name, arr in sorted(consts.items()):
+        h.update(f"{name}{arr.shape}{arr.dtype}".encode())
+        h.update(np.ascontiguousarray(arr).tobytes())
+    return h
 
 
 def _pick(outs, pos, meta):

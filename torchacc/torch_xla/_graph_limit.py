@@ -17,21 +17,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchacc.lazy.device import DEVICE_TYPE
-
-_SHORT = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "s64",
-    torch.int32: "s32",
-    torch.int16: "s16",
-    torch.int8: "s8",
-    torch.uint8: "u8",
-    torch.bool: "pred",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
-}
+from torchacc.torch_xla._XLAC import _SHORT_DTYPES as _SHORT
 
 
 def _shape(t):
