@@ -160,7 +160,7 @@ def _flat_call(fn, tree, shared, leaves_per_call):
     if not (isinstance(result, jax.Array) and result.shape == (total,)):
         calls = [jax.tree_util.tree_unflatten(tree, c) for c in leaves_per_call]
         return [fn(*a, **k) for a, k in calls]
-    metrics.counter_inc("FlatOptimizerUpdate")
+    metrics.counter_inc("FlatForeachUpdate")
     out, start = [], 0
     for size, shape in zip(sizes, shapes):
         out.append(result[start : start + size].reshape(shape))
