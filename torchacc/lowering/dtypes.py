@@ -28,6 +28,24 @@ TORCH_TO_JAX = {
     torch.float8_e4m3fn: jnp.float8_e4m3fn,
 }
 JAX_TO_TORCH = {np.dtype(v): k for k, v in TORCH_TO_JAX.items()}
+# the element type names of HLO text (torch_xla prints tensors as "f32[2,3]")
+HLO_NAMES = {
+    torch.float32: "f32",
+    torch.float64: "f64",
+    torch.float16: "f16",
+    torch.bfloat16: "bf16",
+    torch.int64: "s64",
+    torch.int32: "s32",
+    torch.int16: "s16",
+    torch.int8: "s8",
+    torch.uint8: "u8",
+    torch.uint16: "u16",
+    torch.uint32: "u32",
+    torch.uint64: "u64",
+    torch.bool: "pred",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
 
 # Note [Device dtypes]
 # torch_xla's environment flags store some torch dtypes narrower on the device, while tensors

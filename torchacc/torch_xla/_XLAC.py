@@ -172,32 +172,13 @@ def _ref(value, names):
     return f"{names[id(value.node)]}.{value.index}" if several else names[id(value.node)]
 
 
-_SHORT_DTYPES = {
-    torch.float32: "f32",
-    torch.float64: "f64",
-    torch.float16: "f16",
-    torch.bfloat16: "bf16",
-    torch.int64: "s64",
-    torch.int32: "s32",
-    torch.int16: "s16",
-    torch.int8: "s8",
-    torch.uint8: "u8",
-    torch.uint16: "u16",
-    torch.uint32: "u32",
-    torch.uint64: "u64",
-    torch.bool: "pred",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
-}
-
-
 def _desc_text(desc):
-    from torchacc.lowering.dtypes import TORCH_TO_JAX, stored_dtype
+    from torchacc.lowering.dtypes import HLO_NAMES, TORCH_TO_JAX, stored_dtype
 
     shape, dtype = desc[0], desc[2]
     if dtype in TORCH_TO_JAX:
         dtype = stored_dtype(dtype)  # what the device holds (Note [Device dtypes])
-    name = _SHORT_DTYPES.get(dtype, str(dtype).replace("torch.", ""))
+    name = HLO_NAMES.get(dtype, str(dtype).replace("torch.", ""))
     return f"{name}[{','.join(map(str, shape))}]"
 
 

@@ -17,13 +17,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from torchacc.lazy.device import DEVICE_TYPE
-from torchacc.torch_xla._XLAC import _SHORT_DTYPES as _SHORT
+from torchacc.lowering.dtypes import HLO_NAMES
 
 
 def _shape(t):
     dims = ",".join(str(s) for s in t.shape)
     layout = ",".join(str(i) for i in reversed(range(t.dim())))
-    return f"{_SHORT.get(t.dtype, str(t.dtype))}[{dims}]" + (f"{{{layout}}}" if t.dim() else "")
+    return f"{HLO_NAMES.get(t.dtype, str(t.dtype))}[{dims}]" + (f"{{{layout}}}" if t.dim() else "")
 
 
 def _describe(func, out):
