@@ -31,7 +31,7 @@ from torchacc.lazy.record import (
     value_of,
     wrap,
 )
-from torchacc.lazy.tensor import LazyTensor
+from torchacc.lazy.tensor import LazyTensor, adopt
 from torchacc.lazy.transfer import deepcopy, to_cpu, upload
 from torchacc.lowering import lookup
 
@@ -166,12 +166,7 @@ def _view_inplace(func, args, kwargs):
     view = _handler(view_op)(view_op, args, kwargs)
     with torch._C._ExcludeDispatchKeyGuard(_NO_PYTHON):
         aten.as_strided_.default(target, view.shape, view.stride(), view.storage_offset())
-    target._st, target._view, target._vcache, target._desc = (
-        view._st,
-        view._view,
-        view._vcache,
-        view._desc,
-    )
+    adopt(target, view)
     return target
 
 

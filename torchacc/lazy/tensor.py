@@ -57,7 +57,13 @@ def _data_set(self, new):
             f"torchacc: cannot assign a {new.device} tensor to .data of a {self.device} tensor"
         )
     torch.Tensor.data.__set__(self, new)
-    self._st, self._view, self._vcache, self._desc = new._st, new._view, new._vcache, new._desc
+    adopt(self, new)
+
+
+def adopt(t, new):
+    """Point LazyTensor ``t`` at ``new``'s storage, view chain and metadata (after torch itself
+    gave ``t`` new's sizes and strides: ``.data = new``, in-place view ops)."""
+    t._st, t._view, t._vcache, t._desc = new._st, new._view, new._vcache, new._desc
 
 
 LazyTensor.data = property(_data_get, _data_set)

@@ -6,6 +6,7 @@ import torch
 
 from torchacc.engine import execute
 from torchacc.engine.transfer import upload
+from torchacc.ir import contiguous_desc
 from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
 
@@ -35,22 +36,14 @@ def _view_of_computed_storage(t):
     the read runs no program (a compile, and a run that spoils the next known step). None where
     the storage is not a plain contiguous array."""
     st = t._st
-    shape, stride, dtype, offset = st.desc
-    if offset or tuple(stride) != _contiguous_strides(shape):
+    shape, _stride, dtype, _offset = st.desc
+    if st.desc != contiguous_desc(shape, dtype):
         return None
     host = execute.fetch(st.value, dtype)
     for func, rest, kwargs, index, _ in t._view:
         out = func(host, *rest, **kwargs)
         host = out[index] if isinstance(out, (tuple, list)) else out
     return host.clone()
-
-
-def _contiguous_strides(shape):
-    strides, step = [], 1
-    for n in reversed(shape):
-        strides.append(step)
-        step *= max(n, 1)
-    return tuple(reversed(strides))
 
 
 def deepcopy(t, memo):
