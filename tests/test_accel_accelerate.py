@@ -230,3 +230,56 @@ def test_checkpoint_gives_keyword_tensors_their_gradients():
         lin.zero_grad()
     for a, b in zip(*grads, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_checkpoint_gives_nested_tensors_their_gradients():
+    """Tensors inside tuples/dicts of ``args``/``kwargs`` (non-leaves here) are arguments of the
+    checkpoint too (saved and fenced like the others): gradients equal the plain function's."""
+    from torchacc.accel.checkpoint import checkpoint
+
+    dev = ta.device()
+
+    def f(x, pair, *, extra):
+        return (x * pair[0] + pair[1] * extra["w"]).tanh()
+
+    grads = []
+    for ckpt in (False, True):
+        torch.manual_seed(0)
+        x, a, b, w = (torch.randn(2, 4).to(dev).requires_grad_(True) for _ in range(4))
+        pair, extra = (a * 2, b + 1), {"w": w.exp()}
+        out = checkpoint(f, x, pair, extra=extra) if ckpt else f(x, pair, extra=extra)
+        out.sum().backward()
+        grads.append([t.grad.cpu() for t in (x, a, b, w)])
+    for got, want in zip(grads[1], grads[0], strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_gc_of_an_hf_decoder_drops_its_kv_cache_for_the_replay():
+    """transformers configs default to ``use_cache=True``, in training too: checkpointing a
+    decoder layer by replacing its forward replayed it with the forward's DynamicCache, appending
+    its keys a second time (the embedding's gradient was off by 0.48). ``memory.gc`` goes through
+    the layer's own checkpointing hook, which runs it without a cache: gradients equal eager's."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+    )  # fmt: skip
+    assert cfg.use_cache
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, 64, (2, 8))
+    ref(input_ids=ids, labels=ids).loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    for backend in ("lazy", "eager"):
+        model = copy.deepcopy(ref)
+        model.zero_grad()
+        config = ta.Config(backend=backend)
+        config.memory.gc, config.memory.gc_cls = True, {"LlamaDecoderLayer"}
+        model = ta.accelerate(model, config=config)
+        assert all(layer.gradient_checkpointing for layer in model.model.layers)
+        dev_ids = ids.to(model.device)
+        model(input_ids=dev_ids, labels=dev_ids).loss.backward()
+        for n, p in model.named_parameters():
+            torch.testing.assert_close(p.grad.cpu(), want[n], rtol=1e-4, atol=1e-5, msg=n)

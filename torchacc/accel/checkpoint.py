@@ -22,10 +22,12 @@ On other devices the barrier is a no-op and ``apply_gc`` uses ``torch.utils.chec
 
 from __future__ import annotations
 
+import functools
 import types
 
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchacc.lazy import random as _device_random
 from torchacc.lazy.device import DEVICE_TYPE
@@ -133,47 +135,72 @@ class _Checkpoint(torch.autograd.Function):
 
 def checkpoint(function, *args, preserve_rng_state=True, **kwargs):
     """Run ``function(*args, **kwargs)`` keeping none of its activations; they are recomputed in
-    backward behind a fence (Note [Checkpointing that saves memory]). Gradients flow to the
-    tensors in ``args`` and ``kwargs`` and to the parameters ``function`` uses."""
-    run = function
-    names = [k for k, v in kwargs.items() if isinstance(v, torch.Tensor)]
-    if kwargs:  # keyword tensors travel as arguments too (saved, fenced, given gradients)
-        n = len(args)
-        rest = {k: v for k, v in kwargs.items() if k not in names}
+    backward behind a fence (Note [Checkpointing that saves memory]). Gradients flow to every
+    tensor in ``args`` and ``kwargs``, nested ones included (tuples, lists, dicts: HF layers take
+    ``position_embeddings=(cos, sin)``), and to the parameters ``function`` uses."""
+    leaves, spec = tree_flatten((args, kwargs))
+    where = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    if len(where) == len(leaves) and not kwargs:
+        run = function
+    else:  # tensors travel as arguments (saved, fenced, given gradients), the rest as they are
 
-        def run(*a):
-            return function(*a[:n], **rest, **dict(zip(names, a[n:], strict=True)))
+        def run(*tensors):
+            filled = list(leaves)
+            for i, t in zip(where, tensors, strict=True):
+                filled[i] = t
+            a, kw = tree_unflatten(filled, spec)
+            return function(*a, **kw)
 
-        args = (*args, *(kwargs[k] for k in names))
+        args = tuple(leaves[i] for i in where)
     # the output needs a grad_fn even when no tensor in ``args`` requires grad (the parameters
     # ``function`` uses are not arguments): a CPU scalar that requires grad, given no gradient
     return _Checkpoint.apply(run, preserve_rng_state, _NEEDS_GRAD, *args)
 
 
-def _checkpointed_forward(lazy):
+def _checkpointed_forward(run):
     def forward(self, *args, **kwargs):
-        inner = type(self).forward.__get__(self)
-        if lazy:
-            return checkpoint(inner, *args, **kwargs)
-        return _torch_checkpoint.checkpoint(inner, *args, use_reentrant=False, **kwargs)
+        return run(type(self).forward.__get__(self), *args, **kwargs)
 
     return forward
+
+
+def _hf_checkpointing_layer(module) -> bool:
+    """A transformers ``GradientCheckpointingLayer`` (decoder layers of LLaMA, Qwen2, GPT-2, ...):
+    its class-level wrapper checkpoints through ``_gradient_checkpointing_func`` once
+    ``gradient_checkpointing`` is set, and drops the KV cache for the replay."""
+    return hasattr(type(module), "_can_checkpoint_with_cache") and hasattr(
+        module, "gradient_checkpointing"
+    )
 
 
 def apply_gc(model, gc_cls, gc_cnt=None, lazy=True):
     """Checkpoint every submodule of ``model`` whose class name is in ``gc_cls`` (the first
     ``gc_cnt`` of them in module order; one nested in a checkpointed one is not checkpointed
     again). Returns the checkpointed modules. ``lazy``: the torchacc device's barrier scheme,
-    else ``torch.utils.checkpoint``."""
+    else ``torch.utils.checkpoint``.
+
+    A transformers layer is checkpointed through its own wrapper (``gradient_checkpointing`` and
+    ``_gradient_checkpointing_func``, what ``gradient_checkpointing_enable`` sets): it runs the
+    layer with ``use_cache=False`` and no cache, as it must -- a replay that appended to the
+    forward's ``DynamicCache`` a second time would attend over every key twice (HF configs default
+    to ``use_cache=True``, also in training)."""
     names = set(gc_cls)
     done = []
     inside = set()
+    if lazy:
+        run = checkpoint
+    else:
+        run = functools.partial(_torch_checkpoint.checkpoint, use_reentrant=False)
     for module in model.modules():
         if id(module) in inside or type(module).__name__ not in names:
             continue
         if gc_cnt is not None and len(done) >= gc_cnt:
             break
-        module.forward = types.MethodType(_checkpointed_forward(lazy), module)
+        if _hf_checkpointing_layer(module):
+            module._gradient_checkpointing_func = run
+            module.gradient_checkpointing = True
+        else:
+            module.forward = types.MethodType(_checkpointed_forward(run), module)
         done.append(module)
         inside.update(id(m) for m in module.modules())
     return done
