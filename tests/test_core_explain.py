@@ -107,6 +107,8 @@ def test_reading_after_mark_step_is_no_sync_and_no_hint():
 
 
 def _pending():
+    # float data: an integer one computed from uploads only would be read on the host instead
+    # (Note [Reads of host-known values])
     return (torch.arange(6.0).to(DEV) * 2).sum()
 
 

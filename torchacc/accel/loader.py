@@ -136,10 +136,11 @@ class Bucketing:
 class _Uploaded:
     """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
 
-    __slots__ = ("array", "shape", "dtype", "seconds")
+    __slots__ = ("array", "mirror", "shape", "dtype", "seconds")
 
-    def __init__(self, array, shape, dtype, seconds):
+    def __init__(self, array, mirror, shape, dtype, seconds):
         self.array = array
+        self.mirror = mirror
         self.shape = shape
         self.dtype = dtype
         self.seconds = seconds
@@ -154,8 +155,9 @@ def upload_tree(x):
             return x  # already elsewhere (e.g. on the device): left as is
         host = x.detach().contiguous()
         start = time.perf_counter()
-        array = transfer.put(transfer._numpy_of(host))
-        return _Uploaded(array, tuple(host.shape), host.dtype, time.perf_counter() - start)
+        array, mirror = transfer.device_array(host)
+        seconds = time.perf_counter() - start
+        return _Uploaded(array, mirror, tuple(host.shape), host.dtype, seconds)
     return _map(upload_tree, x)
 
 
@@ -167,6 +169,7 @@ def wrap_tree(x):
 
     if isinstance(x, _Uploaded):
         value = Value(contiguous_desc(x.shape, x.dtype), array=x.array)
+        value.host = x.mirror  # Note [Reads of host-known values] (torchacc/lazy/host_eval.py)
         metrics.record_time("TransferToDeviceTime", x.seconds)
         metrics.counter_inc("TransferToDevice")
         return fresh(value)

@@ -40,18 +40,36 @@ def _numpy_of(t):
     return t.numpy()
 
 
+# uploads this small keep a CPU copy on their Value (Note [Reads of host-known values] in
+# torchacc/lazy/host_eval.py): an attention mask of 8 x 8192 tokens is 65,536 elements
+MIRROR_MAX_ELEMENTS = 1 << 16
+
+
 def upload(host):
     """A data Value on the device with a copy of the CPU tensor ``host``."""
     host = host.detach().contiguous()
-    dtype = host.dtype
     start = time.perf_counter()
-    stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype  # Note [Device dtypes]
+    array, mirror = device_array(host)
+    metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
+    metrics.counter_inc("TransferToDevice")
+    value = Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
+    value.host = mirror
+    return value
+
+
+def device_array(host):
+    """A JAX array with a copy of the contiguous CPU tensor ``host`` in its stored dtype (Note
+    [Device dtypes]), and the CPU copy a small one keeps for reads (Note [Reads of host-known
+    values] in torchacc/lazy/host_eval.py; None otherwise); any thread."""
+    dtype = host.dtype
+    stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
     data = host if stored is dtype else host.to(stored)
     # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
     array = put(np.array(_numpy_of(data), copy=True))
-    metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
-    metrics.counter_inc("TransferToDevice")
-    return Value(contiguous_desc(tuple(host.shape), dtype), array=array)
+    mirror = None
+    if stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS:
+        mirror = host.clone()
+    return array, mirror
 
 
 def read(array, dtype):

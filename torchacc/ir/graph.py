@@ -30,8 +30,9 @@ class Value:
     """
 
     # ``mark``/``slot``: scratch of the graph walk at a sync (Note [Walking a graph at a sync]);
-    # ``sid``: its number among the step's data inputs (Note [Known steps] in program/known.py)
-    __slots__ = ("node", "index", "buf", "desc", "mark", "slot", "sid")
+    # ``sid``: its number among the step's data inputs (Note [Known steps] in program/known.py);
+    # ``host``: a CPU copy of a small upload (Note [Reads of host-known values], lazy/host_eval.py)
+    __slots__ = ("node", "index", "buf", "desc", "mark", "slot", "sid", "host")
 
     def __init__(self, desc, node=None, index=0, array=None):
         self.node = node
@@ -40,6 +41,7 @@ class Value:
         self.desc = desc
         self.mark = 0
         self.sid = 0
+        self.host = None
 
     @property
     def array(self):

@@ -7,6 +7,7 @@ import torch
 from torchacc.engine import execute
 from torchacc.engine.transfer import upload
 from torchacc.ir import contiguous_desc
+from torchacc.lazy.host_eval import host_value
 from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
 
@@ -22,6 +23,10 @@ def to_cpu(t):
     if type(t) is not LazyTensor:
         return t
     value = value_of(t)
+    if value.node is not None:
+        host = host_value(value)  # Note [Reads of host-known values]
+        if host is not None:
+            return host
     if value.node is not None and t._view is not None and t._st.value.node is None:
         host = _view_of_computed_storage(t)
         if host is not None:
