@@ -9,5 +9,6 @@ from torchacc.ir.graph import (  # noqa: F401
     Value,
     contiguous_desc,
     desc_of,
+    fill,
     live_storages,
 )

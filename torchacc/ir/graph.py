@@ -133,6 +133,21 @@ class ScalarSlot(int):
         return f"S{int(self)}"
 
 
+def fill(template, inputs, scalars):
+    """An OpEntry's ``args``/``kwargs`` template with its slots filled: ``inputs[i]`` for
+    ``TensorSlot(i)``, ``scalars[i]`` for ``ScalarSlot(i)`` (sequences come back as lists)."""
+    tp = type(template)
+    if tp is TensorSlot:
+        return inputs[template]
+    if tp is ScalarSlot:
+        return scalars[template]
+    if tp is list or tp is tuple:
+        return [fill(x, inputs, scalars) for x in template]
+    if tp is dict:
+        return {k: fill(v, inputs, scalars) for k, v in template.items()}
+    return template
+
+
 class Storage:
     """The memory of a base tensor: its current Value, the base's desc and a write counter.
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from torchacc import metrics
-from torchacc.ir.graph import ScalarSlot, TensorSlot
+from torchacc.ir import fill
 
 MAX_NODES = 64  # a read that needs more is not a mask check: it syncs as before
 
@@ -73,8 +73,8 @@ def _run(node, memo, budget):
         raise _NotHostKnown
     inputs = [_eval(v, memo, budget) for v in node.inputs]
     scalars = node.scalars
-    args = [_fill(a, inputs, scalars) for a in op.args]
-    kwargs = {k: _fill(v, inputs, scalars) for k, v in op.kwargs.items()}
+    args = fill(op.args, inputs, scalars)
+    kwargs = fill(op.kwargs, inputs, scalars)
     if "device" in kwargs:  # a factory (zeros, arange, full): made on the host here
         kwargs["device"] = _CPU
     out = func(*args, **kwargs)
@@ -110,14 +110,3 @@ def _eager_safe(op, func):
             and func.overloadpacket.__name__ not in _UNDEFINED
         )
     return safe
-
-
-def _fill(template, inputs, scalars):
-    tp = type(template)
-    if tp is TensorSlot:
-        return inputs[template]
-    if tp is ScalarSlot:
-        return scalars[template]
-    if tp is list or tp is tuple:
-        return tp(_fill(a, inputs, scalars) for a in template)
-    return template

@@ -5,23 +5,10 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from torchacc.ir import ScalarSlot, TensorSlot
+from torchacc.ir import fill as _fill
 from torchacc.lowering import optim
 from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
 from torchacc.program import pack
-
-
-def _fill(t, env, scalars):
-    tp = type(t)
-    if tp is TensorSlot:
-        return env[t]
-    if tp is ScalarSlot:
-        return scalars[t]
-    if tp is list or tp is tuple:
-        return [_fill(x, env, scalars) for x in t]
-    if tp is dict:
-        return {k: _fill(v, env, scalars) for k, v in t.items()}
-    return t
 
 
 def program_of(graph, offsets=False):
