@@ -174,10 +174,13 @@ def program_of(graph, offsets=False):
 # 306 of its 522 MB of temp memory). So where a step's optimizer updates (fused optimizer nodes,
 # batched ``_foreach_*`` nodes) read inputs that its other ops read too, the updates read those
 # inputs through ``where(ready, param, 0)``, where ``ready`` is a boolean made from one element
-# of each array the updates take from the rest of the step (the gradients) and always true (a
-# 32-bit value's bit pattern has at most 32 ones; XLA does not fold that). Each overwrite then
-# depends on every gradient, hence on every read of the weights that the gradients needed, and
-# XLA writes in place. Only the moments' updates (which read no parameter) may still run as soon
+# of a few arrays the updates take from the rest of the step (gradients) and always true (a
+# 32-bit value's bit pattern has at most 32 ones; XLA does not fold that). The few are chosen
+# so that every op reading such an input before the updates is an ancestor of one of them
+# (``_fewest_sources``: for a backward, the last gradients, which depend on every layer's input
+# gradient); one element of every gradient worked too but added ~150 small kernels to compile
+# (fused AdamW's first step: +0.7 CPU s). Each overwrite then comes after every read, and XLA
+# writes in place. Only the moments' updates (which read no parameter) may still run as soon
 # as their own gradient is there, so gradients need not all be live at once (fencing the
 # gradients instead removed the copies too but kept all of them alive: 500 MB of temp memory).
 # Parameters that are pieces of a pack (Note [Packed state]) are left alone: read through
@@ -215,7 +218,40 @@ def _update_order(graph, steps):
                     fenced[i] = None
     if not sources or not fenced:
         return -1, (), ()
-    return first, tuple(sources), tuple(fenced)
+    chosen = _fewest_sources(steps[:first], list(sources), fenced)
+    if not chosen:
+        return -1, (), ()
+    return first, chosen, tuple(fenced)
+
+
+def _fewest_sources(steps, sources, fenced):
+    """A few of ``sources`` that together depend on every step reading a ``fenced`` input (the
+    last gradients of a backward depend on every layer's reads): ``ready`` reads one element of
+    each, so it stays a couple of small kernels however many parameters there are."""
+    bit = {s: 1 << k for k, s in enumerate(sources)}
+    producer = {}
+    for at, step in enumerate(steps):
+        for s in step[6]:
+            if s is not None:
+                producer[s] = at
+    reach = [0] * len(steps)  # per step: the sources that depend on it, as bits
+    for at in range(len(steps) - 1, -1, -1):
+        r = reach[at]
+        for s in steps[at][6]:
+            r |= bit.get(s, 0)
+        reach[at] = r
+        if r:
+            for i in steps[at][3]:
+                p = producer.get(i)
+                if p is not None:
+                    reach[p] |= r
+    need = {reach[at] for at, step in enumerate(steps) if reach[at] and fenced.keys() & step[3]}
+    chosen = []
+    while need:  # greedy: the source most of the remaining readers reach
+        k = max(range(len(sources)), key=lambda k: sum(m >> k & 1 for m in need))
+        chosen.append(sources[k])
+        need = {m for m in need if not m >> k & 1}
+    return tuple(chosen)
 
 
 def _all_ready(arrays):
