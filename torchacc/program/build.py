@@ -169,13 +169,14 @@ def program_of(graph, offsets=False):
 # alone (copy insertion, before scheduling; an optimization barrier is dropped before it runs).
 # A linear layer's backward reads its weight for the input's gradient, and nothing the weight's
 # own update computes depends on that gradient, so XLA could not prove the order and copied
-# every such weight first: GPT-2 124M's AdamW step copied 49 parameters (85M floats, a read and
-# a write each, into fresh temp pages every step: 0.68 of the step's 8.29 GB of memory traffic,
-# 306 of its 522 MB of temp memory). So where a step's optimizer updates (fused optimizer nodes,
-# batched ``_foreach_*`` nodes) read inputs that its other ops read too, the updates read those
-# inputs through ``where(ready, param, 0)``, where ``ready`` is a boolean made from one element
-# of a few arrays the updates take from the rest of the step (gradients) and always true (a
-# 32-bit value's bit pattern has at most 32 ones; XLA does not fold that). The few are chosen
+# every such weight first: GPT-2 124M's AdamW step copied its 48 layer weights (85M floats, a
+# read and a write each, into fresh temp pages every step: 0.68 of the step's 8.29 GB of memory
+# traffic, 306 of its 522 MB of temp memory). So where a step's optimizer updates (fused
+# optimizer nodes, batched ``_foreach_*`` nodes) read inputs that its other ops read too, the
+# updates read those inputs through ``where(ready, param, 0)``, where ``ready`` is a boolean
+# made from one element of a few arrays the updates take from the rest of the step (gradients)
+# and always true (a 32-bit value's bit pattern has at most 32 ones; XLA does not fold that).
+# The few are chosen
 # so that every op reading such an input before the updates is an ancestor of one of them
 # (``_fewest_sources``: for a backward, the last gradients, which depend on every layer's input
 # gradient); one element of every gradient worked too but added ~150 small kernels to compile
