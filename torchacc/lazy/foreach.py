@@ -125,6 +125,7 @@ def _batched_rule(rule):
     if batched is None:
         fn = rule.fn
 
+        @optim.update_rule  # Note [The update runs after every read of what it overwrites]
         def apply_each(*calls):  # Note [Batched optimizer updates], [Flat optimizer updates]
             return apply_flat(fn, calls, optim.packed_limit())
 

@@ -107,6 +107,22 @@ def packed_limit():
     return _packed_limit[0]
 
 
+_update_fns: set = set()  # rule functions of optimizer updates (see is_update)
+
+
+def update_rule(fn):
+    """Mark rule function ``fn`` as an optimizer update: a fused optimizer or a batched
+    ``_foreach_*`` node (Note [The update runs after every read of what it overwrites] in
+    program/build.py). Returns ``fn``."""
+    _update_fns.add(fn)
+    return fn
+
+
+def is_update(op):
+    """Whether recorded op ``op`` (an OpEntry) is an optimizer update (``update_rule``)."""
+    return op.rule.fn in _update_fns
+
+
 def _lists_update(update, lists, n, scalars_of=None, keys=None):
     """``update(arrays, scalars)`` -> new arrays, for each of the ``n`` members of ``lists`` (an
     empty list gives None members); the members a pack would hold, once per flat group of equal
@@ -238,16 +254,19 @@ def _adam(
 
 
 @register(aten._fused_adam, static=("weight_decay",))
+@update_rule
 def fused_adam(*args, **kwargs):
     return _adam(*args, **kwargs, decoupled=False)
 
 
 @register(aten._fused_adamw, static=("weight_decay",))
+@update_rule
 def fused_adamw(*args, **kwargs):
     return _adam(*args, **kwargs, decoupled=True)
 
 
 @register(aten._fused_sgd, static=("weight_decay", "momentum"))
+@update_rule
 def fused_sgd(
     params,
     grads,

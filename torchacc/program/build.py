@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -58,6 +60,7 @@ def program_of(graph, offsets=False):
 
     n_arrays = len(graph.inputs) - len(in_places) + n_packs
     dynamic = _dynamic_pieces(steps, in_places) if offsets else {}
+    first, sources, fenced = _update_order(graph, steps)
 
     def program(floats, ints, *arrays):
         with optim.packed_members(packed_limit):
@@ -73,7 +76,12 @@ def program_of(graph, offsets=False):
             j = dynamic.get(slot)
             if j is not None:
                 pieces[slot] = pack.piece_at(arrays[k], offset_args[j], shape)
-        for rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested, lists in steps:
+        for at, step in enumerate(steps):
+            rule, args, kwargs, in_ids, slots, kinds, outs, descs, nested, lists = step
+            if at == first:  # Note [The update runs after every read of what it overwrites]
+                ready = _all_ready([env[i] for i in sources])
+                for i in fenced:
+                    env[i] = jnp.where(ready, env[i], jnp.zeros((), env[i].dtype))
             if lists or not pieces:
                 ins = [env[i] for i in in_ids]
             else:
@@ -139,6 +147,115 @@ def program_of(graph, offsets=False):
 # keep reading pieces by static slices, which XLA folds back into one slice of the pack when
 # they update the pieces as one flat array (Note [Flat optimizer updates] in
 # lowering/optim.py). The values read are the same either way, so results are too.
+
+
+# Note [The update runs after every read of what it overwrites]
+# A step's program overwrites its parameters in place: the parameters are donated and each new
+# value is written into its old buffer (Note [Donation pairs] in key.py). XLA may do that only
+# where every other read of the old value comes first, and it decides this from data dependencies
+# alone (copy insertion, before scheduling; an optimization barrier is dropped before it runs).
+# A linear layer's backward reads its weight for the input's gradient, and nothing the weight's
+# own update computes depends on that gradient, so XLA could not prove the order and copied
+# every such weight first: GPT-2 124M's AdamW step copied its 48 layer weights (85M floats, a
+# read and a write each, into fresh temp pages every step: 0.68 of the step's 8.29 GB of memory
+# traffic, 306 of its 522 MB of temp memory). So where a step's optimizer updates (fused
+# optimizer nodes, batched ``_foreach_*`` nodes) read inputs that its other ops read too, the
+# updates read those inputs through ``where(ready, param, 0)``, where ``ready`` is a boolean
+# made from one element of a few arrays the updates take from the rest of the step (gradients)
+# and always true (a 32-bit value's bit pattern has at most 32 ones; XLA does not fold that).
+# The few are chosen
+# so that every op reading such an input before the updates is an ancestor of one of them
+# (``_fewest_sources``: for a backward, the last gradients, which depend on every layer's input
+# gradient); one element of every gradient worked too but added ~150 small kernels to compile
+# (fused AdamW's first step: +0.7 CPU s). Each overwrite then comes after every read, and XLA
+# writes in place. Only the moments' updates (which read no parameter) may still run as soon
+# as their own gradient is there, so gradients need not all be live at once (fencing the
+# gradients instead removed the copies too but kept all of them alive: 500 MB of temp memory).
+# Parameters that are pieces of a pack (Note [Packed state]) are left alone: read through
+# ``where`` they would no longer fold into one slice of their pack in a flat update (Note [Flat
+# optimizer updates]), whose kernels would grow with depth again; their pack's copy is small.
+# The values are the same, so the results are (tests/test_update_order.py).
+# TORCHACC_UPDATE_ORDER=0 leaves the program as it was.
+_UPDATE_ORDER = os.environ.get("TORCHACC_UPDATE_ORDER", "1").strip().lower() not in ("0", "off")
+
+
+def _update_order(graph, steps):
+    """(index of the first update node, the slots the updates read from the step's other ops,
+    the loose inputs they read through ``ready``), or (-1, (), ()) where the updates read no
+    loose input that other ops read (Note [The update runs after every read of what it
+    overwrites])."""
+    update = [optim.is_update(node.op) for node in graph.order]
+    if not _UPDATE_ORDER or True not in update:
+        return -1, (), ()
+    first = update.index(True)
+    n_inputs = len(graph.inputs)
+    made_later, read_before = set(), set()
+    for at, step in enumerate(steps):
+        if at >= first:
+            made_later.update(s for s in step[6] if s is not None)
+        else:
+            read_before.update(i for i in step[3] if i < n_inputs)
+    sources, fenced = {}, {}
+    for at in range(first, len(steps)):
+        if update[at]:
+            for i in steps[at][3]:
+                if i >= n_inputs:
+                    if i not in made_later:
+                        sources[i] = None
+                elif i in read_before and graph.in_codes[i] == pack.LOOSE:
+                    fenced[i] = None
+    if not sources or not fenced:
+        return -1, (), ()
+    chosen = _fewest_sources(steps[:first], list(sources), fenced)
+    if not chosen:
+        return -1, (), ()
+    return first, chosen, tuple(fenced)
+
+
+def _fewest_sources(steps, sources, fenced):
+    """A few of ``sources`` that together depend on every step reading a ``fenced`` input (the
+    last gradients of a backward depend on every layer's reads): ``ready`` reads one element of
+    each, so it stays a couple of small kernels however many parameters there are."""
+    bit = {s: 1 << k for k, s in enumerate(sources)}
+    producer = {}
+    for at, step in enumerate(steps):
+        for s in step[6]:
+            if s is not None:
+                producer[s] = at
+    reach = [0] * len(steps)  # per step: the sources that depend on it, as bits
+    for at in range(len(steps) - 1, -1, -1):
+        r = reach[at]
+        for s in steps[at][6]:
+            r |= bit.get(s, 0)
+        reach[at] = r
+        if r:
+            for i in steps[at][3]:
+                p = producer.get(i)
+                if p is not None:
+                    reach[p] |= r
+    need = {reach[at] for at, step in enumerate(steps) if reach[at] and fenced.keys() & step[3]}
+    chosen = []
+    while need:  # greedy: the source most of the remaining readers reach
+        k = max(range(len(sources)), key=lambda k: sum(m >> k & 1 for m in need))
+        chosen.append(sources[k])
+        need = {m for m in need if not m >> k & 1}
+    return tuple(chosen)
+
+
+def _all_ready(arrays):
+    """A boolean that is always true and depends on each of ``arrays`` (one element of each)."""
+    bits = []
+    for a in arrays:
+        if a.size == 0:
+            continue
+        x = a.reshape(-1)[:1]
+        if jnp.issubdtype(x.dtype, jnp.complexfloating):
+            x = jnp.real(x)
+        bits.append(jax.lax.bitcast_convert_type(x.astype(jnp.float32), jnp.int32))
+    if not bits:
+        return jnp.bool_(True)
+    count = jax.lax.population_count(jnp.concatenate(bits) if len(bits) > 1 else bits[0])
+    return jnp.all(count <= 32)
 
 
 def _dynamic_pieces(steps, in_places):
