@@ -7,7 +7,9 @@ width, then times on the torchacc device:
 - first: the first training step (forward, backward, ``torch.optim.AdamW``, ``sync`` and the
   wait for its results): recording, XLA compile and one run; wall seconds and the process's CPU
   seconds (all threads, compile threads included);
-- fwdbwd: the same for forward + backward alone (no optimizer), in a process of its own;
+- fwdbwd: the same for forward + backward alone (no optimizer), in a process of its own; the
+  gradients are zeroed before each step, so they are the step's results (zeroed after
+  ``backward`` they would be dropped unread and XLA would remove the backward);
 - steady: the median wall time of the later steps (``--steps`` in all).
 
 ``--batched-updates 0`` turns off the batched optimizer update (Note [Batched optimizer updates]
@@ -33,6 +35,7 @@ ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 def worker(args):
     sys.path.insert(0, ROOT)
     import torch
+    import torch._dynamo  # noqa: F401  (AdamW imports it; fwdbwd would pay it in its first step)
 
     import torchacc
     from gallery.gpt.model import build_gpt
@@ -53,13 +56,13 @@ def worker(args):
     for step in range(args.steps):
         idx = torch.randint(0, 4096, (args.batch, args.seq), generator=g).to(dev)
         start, cpu = time.perf_counter(), time.process_time()
+        if opt is None:  # before the step: its gradients are results, so the backward runs
+            model.zero_grad()
         loss = model(idx).float().square().mean()
         loss.backward()
         if opt is not None:
             opt.step()
             opt.zero_grad()
-        else:
-            model.zero_grad()
         torchacc.sync()
         float(loss.item())  # wait for the step's results
         times.append(time.perf_counter() - start)
