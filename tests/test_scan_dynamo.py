@@ -20,13 +20,16 @@ from torch._dynamo.utils import counters
 import torchacc.dynamo
 from torchacc import metrics
 from torchacc.dynamo import aot
+from torchacc.lowering import scan_flips
 from torchacc.torch_xla.experimental.scan import scan
 from torchacc.torch_xla.experimental.scan_layers import ScannedLayers, scan_layers
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from gallery.gpt.model import build_gpt  # noqa: E402
 
-SCAN = torch.ops.higher_order.scan
+# torch's scan operator; a backward scan over flipped stacks is lowered as scan_reversed (Note
+# [Reversed backward scans]; the graphs seen here are rewritten in place when lowered)
+SCANS = (torch.ops.higher_order.scan, scan_flips.scan_reversed)
 
 
 @pytest.fixture(autouse=True)
@@ -59,7 +62,7 @@ def _close(a, b, tol=1e-5):
 
 def _ops(gm):
     """Ops in ``gm`` and in its scan bodies: (top-level scan nodes, all call_function nodes)."""
-    scans = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is SCAN]
+    scans = [n for n in gm.graph.nodes if n.op == "call_function" and n.target in SCANS]
     total = 0
     for mod in gm.modules():
         if isinstance(mod, torch.fx.GraphModule):
