@@ -27,7 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torchacc import metrics
 from torchacc.dynamo import lower
-from torchacc.lowering import lookup, scan_flips
+from torchacc.lowering import lookup, scan_rewrites
 
 _lowered: dict = {}  # structural key of an AOT graph -> Lowered (reused across recompiles)
 _failures_seen = [0]
@@ -128,12 +128,12 @@ def _note_compile(gm):
 
 
 def _partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
-    """torch's min-cut partition; the forward saves scan stacks unflipped for the backward's
-    reversed scan (Note [Reversed backward scans] in torchacc/lowering/scan_flips.py)."""
+    """torch's min-cut partition; what the forward saves for a backward scan is rewritten not to
+    copy stacks (Note [Copy-free backward scans] in torchacc/lowering/scan_rewrites.py)."""
     fw, bw = min_cut_rematerialization_partition(
         joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
     )
-    scan_flips.unflip_saved(fw, bw, num_fwd_outputs)
+    scan_rewrites.rewrite_partition(fw, bw, num_fwd_outputs)
     return fw, bw
 
 

@@ -39,7 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, spmd
-from torchacc.lowering import lookup, scan_flips
+from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
     _eval_python,
@@ -262,9 +262,8 @@ class Lowered:
         self._boxed_call = True
         self.gm = gm
         self.name = name
+        gm = scan_rewrites.rewritten(gm)  # Note [Copy-free backward scans]
         graph = gm.graph
-        if scan_flips.reverse_flipped_scans(graph):  # Note [Reversed backward scans]
-            gm.recompile()
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         out_node = next(n for n in reversed(graph.nodes) if n.op == "output")
         outs = out_node.args[0]

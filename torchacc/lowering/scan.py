@@ -216,7 +216,7 @@ def _hop_scan(combine_fn, init, xs, additional_inputs, reverse=False):
     """``scan_op(combine_fn, init, xs, additional_inputs)`` as one ``lax.scan``: the combine
     graph takes ``(*carry, *x_slices, *additional_inputs)`` and returns ``(*carry, *y_slices)``;
     the op returns ``[*final_carry, *stacked_ys]``. ``reverse``: from the last slice to the first
-    (Note [Reversed backward scans] in scan_flips.py)."""
+    (Note [Copy-free backward scans] in scan_rewrites.py)."""
     gm = combine_fn
     consts = _hop_consts.get(gm)
     if consts is None:
