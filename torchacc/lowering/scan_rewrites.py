@@ -88,7 +88,7 @@ def _is_flip0(node):
         return False
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dims")
     val = node.meta.get("val")
-    return val is not None and list(dims) in ([0], [-val.dim()])
+    return val is not None and dims is not None and list(dims) in ([0], [-val.dim()])
 
 
 def _attr(gm, target):
