@@ -27,7 +27,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from torchacc import metrics
 from torchacc.dynamo import lower
-from torchacc.lowering import lookup
+from torchacc.lowering import lookup, scan_rewrites
 
 _lowered: dict = {}  # structural key of an AOT graph -> Lowered (reused across recompiles)
 _failures_seen = [0]
@@ -127,12 +127,22 @@ def _note_compile(gm):
         print(f"torchacc.dynamo: new graph (compile {cid}), {n} torch ops", file=sys.stderr)
 
 
+def _partition(joint, joint_inputs, *, num_fwd_outputs, **kwargs):
+    """torch's min-cut partition; what the forward saves for a backward scan is rewritten not to
+    copy stacks (Note [Copy-free backward scans] in torchacc/lowering/scan_rewrites.py)."""
+    fw, bw = min_cut_rematerialization_partition(
+        joint, joint_inputs, num_fwd_outputs=num_fwd_outputs, **kwargs
+    )
+    scan_rewrites.rewrite_partition(fw, bw, num_fwd_outputs)
+    return fw, bw
+
+
 _aot = aot_autograd(
     fw_compiler=_fw,
     bw_compiler=_bw,
     inference_compiler=_inference,
     decompositions=decompositions,
-    partition_fn=min_cut_rematerialization_partition,
+    partition_fn=_partition,
     keep_inference_input_mutations=False,
 )
 

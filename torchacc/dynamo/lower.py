@@ -39,7 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, spmd
-from torchacc.lowering import lookup
+from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
     _eval_python,
@@ -262,6 +262,7 @@ class Lowered:
         self._boxed_call = True
         self.gm = gm
         self.name = name
+        gm = scan_rewrites.rewritten(gm)  # Note [Copy-free backward scans]
         graph = gm.graph
         self.placeholders = [n for n in graph.nodes if n.op == "placeholder"]
         out_node = next(n for n in reversed(graph.nodes) if n.op == "output")

@@ -29,6 +29,11 @@ memory ("aliasing"), which the gradients of two carry leaves often do (views of 
 tensors, refused by name. Under ``make_fx`` a tensor ``fn`` closes over would be frozen into the
 body as a constant: refused as on the lazy device; ``captured_scan`` passes tensors every step
 reads (HF's attention mask) as the operator's loop-invariant inputs instead.
+torch's backward scan as written copies whole stacks (it scans ``flip``ped copies of the forward's
+saved stacks, and the operator's partitioner may save per-step transposed copies of the stacked
+weights), which made the steady step slower than the unrolled loop: the graphs are rewritten
+before lowering so the backward reads the stacks in place (Note [Copy-free backward scans] in
+torchacc/lowering/scan_rewrites.py; same results, same scan nodes, same programs).
 """
 
 from __future__ import annotations

@@ -212,10 +212,11 @@ def _attr(gm, target):
 _hop_consts: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # combine graph -> consts
 
 
-def _hop_scan(combine_fn, init, xs, additional_inputs):
+def _hop_scan(combine_fn, init, xs, additional_inputs, reverse=False):
     """``scan_op(combine_fn, init, xs, additional_inputs)`` as one ``lax.scan``: the combine
     graph takes ``(*carry, *x_slices, *additional_inputs)`` and returns ``(*carry, *y_slices)``;
-    the op returns ``[*final_carry, *stacked_ys]``."""
+    the op returns ``[*final_carry, *stacked_ys]``. ``reverse``: from the last slice to the first
+    (Note [Copy-free backward scans] in scan_rewrites.py)."""
     gm = combine_fn
     consts = _hop_consts.get(gm)
     if consts is None:
@@ -237,7 +238,7 @@ def _hop_scan(combine_fn, init, xs, additional_inputs):
         new = [o.astype(c.dtype) if o.dtype != c.dtype else o for o, c in zip(outs[:nc], carry)]
         return new, outs[nc:]
 
-    final, ys = jax.lax.scan(step, init, xs)
+    final, ys = jax.lax.scan(step, init, xs, reverse=reverse)
     return [*final, *ys]
 
 
