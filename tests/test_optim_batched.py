@@ -53,11 +53,12 @@ def _train(make_opt, batched, steps=3):
 )
 def test_batched_update_is_bit_identical(make_opt, monkeypatch):
     monkeypatch.setenv("TORCHACC_PACK_MAX_NUMEL", "64")
+    before = batching.enabled[0]  # off by default: later tests on this worker must see it so
     try:
         ref, none = _train(make_opt, batched=False)
         got, groups = _train(make_opt, batched=True)
     finally:
-        batching.enabled[0] = True
+        batching.enabled[0] = before
         cache.clear_memory_cache()
     assert none == 0 and groups > 0
     assert len(ref) == len(got)
