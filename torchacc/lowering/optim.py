@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import torch
 
 from torchacc import metrics
-from torchacc.lowering.batching import apply_batched
+from torchacc.lowering.batching import apply_batched, offsets_of, piece
 from torchacc.lowering.registry import register
 
 aten = torch.ops.aten
@@ -180,11 +180,9 @@ def _flat_update(update, lists, idx, scalars):
                 jnp.concatenate([jnp.broadcast_to(v, (z,)) for v, z in zip(values, sizes)])
             )
     results = update(flat, tuple(shared))
-    members, start = [], 0
-    for shape, size in zip(shapes, sizes):
-        members.append([r[start : start + size].reshape(shape) for r in results])
-        start += size
-    return members
+    return [
+        [piece(r, start, shape) for r in results] for shape, start in zip(shapes, offsets_of(sizes))
+    ]
 
 
 def _adam(
