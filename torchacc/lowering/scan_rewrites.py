@@ -45,6 +45,7 @@ import torch
 from torch import fx
 
 from torchacc.lowering.fx_calling import HOP_RULES
+from torchacc.lowering.scan import _hop_scan
 
 aten = torch.ops.aten
 _SCAN = torch.ops.higher_order.scan
@@ -70,8 +71,6 @@ _LAYOUT = {
 def scan_reversed(combine_fn, init, xs, additional_inputs):
     """``flip(scan_op(combine_fn, init, flip(xs)).ys)``, carries as they are, as one reverse
     ``lax.scan`` (Note [Copy-free backward scans])."""
-    from torchacc.lowering.scan import _hop_scan
-
     return _hop_scan(combine_fn, init, xs, additional_inputs, reverse=True)
 
 
@@ -89,13 +88,6 @@ def _is_flip0(node):
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dims")
     val = node.meta.get("val")
     return val is not None and dims is not None and list(dims) in ([0], [-val.dim()])
-
-
-def _attr(gm, target):
-    obj = gm
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
 
 
 def rewritten(gm):
@@ -161,7 +153,7 @@ def reverse_flipped_scans(graph):
 def _layout_of_xs(owner, scan, index):
     """If output ``index`` of ``scan`` (a stacked output) is per step only layout ops over one
     of its xs: (that xs node, the ops in order, the xs' per-step placeholder); else None."""
-    combine, init, xs = _attr(owner, scan.args[0].target), scan.args[1], scan.args[2]
+    combine, init, xs = owner.get_submodule(scan.args[0].target), scan.args[1], scan.args[2]
     out = next(n for n in reversed(combine.graph.nodes) if n.op == "output").args[0][index]
     chain = []
     while (
@@ -186,7 +178,7 @@ def _read_through(owner, scan, pos, chain, slice_meta, bodies):
     which now holds the stacked input the chain starts from (its per-step meta ``slice_meta``).
     The body is copied once per scan (``bodies``)."""
     if scan not in bodies:
-        body = copy.deepcopy(_attr(owner, scan.args[0].target))
+        body = copy.deepcopy(owner.get_submodule(scan.args[0].target))
         name = f"{scan.args[0].target}_sunk"
         k = 0
         while hasattr(owner, f"{name}{k}"):

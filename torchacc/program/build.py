@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import jax
 import jax.numpy as jnp
 
@@ -11,6 +9,7 @@ from torchacc.ir import fill as _fill
 from torchacc.lowering import optim
 from torchacc.lowering.dtypes import jdtype, wrapped_number_dtype
 from torchacc.program import pack
+from torchacc.runtime.processes import env_flag
 
 
 def program_of(graph, offsets=False):
@@ -176,7 +175,7 @@ def program_of(graph, offsets=False):
 # optimizer updates]), whose kernels would grow with depth again; their pack's copy is small.
 # The values are the same, so the results are (tests/test_update_order.py).
 # TORCHACC_UPDATE_ORDER=0 leaves the program as it was.
-_UPDATE_ORDER = os.environ.get("TORCHACC_UPDATE_ORDER", "1").strip().lower() not in ("0", "off")
+_UPDATE_ORDER = env_flag("TORCHACC_UPDATE_ORDER")
 
 
 def _update_order(graph, steps):

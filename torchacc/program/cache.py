@@ -16,6 +16,7 @@ from torchacc import metrics
 from torchacc.lowering import precision
 from torchacc.program import known, sharding, spmd  # Note [Multi-process programs]
 from torchacc.program.build import piece_offsets, program_of
+from torchacc.runtime.processes import env_flag
 
 _cache: dict = {}
 _persistent_hits = [0]
@@ -105,7 +106,7 @@ def release_freed_memory():
     """Return the C heap's free pages to the OS (Note [Giving a compile's memory back])."""
     if not _malloc_trim:
         fn = None
-        if os.environ.get("TORCHACC_MALLOC_TRIM", "1").strip().lower() not in ("0", "off"):
+        if env_flag("TORCHACC_MALLOC_TRIM"):
             try:
                 fn = ctypes.CDLL(None).malloc_trim
                 fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
@@ -119,7 +120,7 @@ def release_freed_memory():
 _offsets: dict = {}
 # TORCHACC_PIECE_OFFSETS=0: pieces read at static offsets (no offset arguments: ~0.5 us less per
 # launch and argument, more distinct kernels to compile)
-_OFFSET_ARGS = os.environ.get("TORCHACC_PIECE_OFFSETS", "1").strip().lower() not in ("0", "off")
+_OFFSET_ARGS = env_flag("TORCHACC_PIECE_OFFSETS")
 
 
 def _offset(o):

@@ -60,8 +60,17 @@ def env_int(name, default, who="torchacc.distributed"):
         raise ValueError(f"{who}: {name}={text!r} is not an integer") from None
 
 
+def env_flag(name, default=True):
+    """The on/off environment variable ``name``: off for ``0``, ``off``, ``false`` or ``no`` (any
+    case), ``default`` when unset or empty, on otherwise."""
+    text = os.environ.get(name, "").strip().lower()
+    if not text:
+        return default
+    return text not in ("0", "off", "false", "no")
+
+
 def _auto_enabled():
-    return os.environ.get("TORCHACC_DISTRIBUTED", "1").lower() not in ("0", "off", "false", "no")
+    return env_flag("TORCHACC_DISTRIBUTED")
 
 
 def env_world_size():
@@ -256,7 +265,7 @@ def set_replication(device, devices):
 
 
 def _install_fast_exit():
-    if os.environ.get("TORCHACC_FAST_EXIT", "1").lower() in ("0", "off", "false", "no"):
+    if not env_flag("TORCHACC_FAST_EXIT"):
         return
     previous = sys.excepthook
 
