@@ -40,8 +40,8 @@ def _numpy_of(t):
     return t.numpy()
 
 
-# uploads this small keep a CPU copy on their Value (Note [Reads of host-known values] in
-# torchacc/lazy/host_eval.py): an attention mask of 8 x 8192 tokens is 65,536 elements
+# integer/bool uploads this small keep a CPU copy on their Value (Note [Reads of host-known
+# values] in torchacc/lazy/host_eval.py): an attention mask of 8 x 8192 tokens is 65,536 elements
 MIRROR_MAX_ELEMENTS = 1 << 16
 
 
@@ -59,15 +59,16 @@ def upload(host):
 
 def device_array(host):
     """A JAX array with a copy of the contiguous CPU tensor ``host`` in its stored dtype (Note
-    [Device dtypes]), and the CPU copy a small one keeps for reads (Note [Reads of host-known
-    values] in torchacc/lazy/host_eval.py; None otherwise); any thread."""
+    [Device dtypes]), and the CPU copy a small integer/bool one keeps for reads (Note [Reads of
+    host-known values] in torchacc/lazy/host_eval.py; None otherwise); any thread."""
     dtype = host.dtype
     stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
     data = host if stored is dtype else host.to(stored)
     # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
     array = put(np.array(_numpy_of(data), copy=True))
     mirror = None
-    if stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS:
+    exact = not (dtype.is_floating_point or dtype.is_complex)  # only those are read on the host
+    if exact and stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS:
         mirror = host.clone()
     return array, mirror
 

@@ -9,9 +9,9 @@ splits the step: the part it needs runs as its own program, the host waits for t
 previous step included, so host and device stop overlapping), and the step's known-step match and
 graph are spoiled (torch_xla pays the same). Yet every input of the read is host data.
 
-So a small upload (``engine.transfer.upload``, at most its ``MIRROR_MAX_ELEMENTS`` elements) keeps a
-CPU copy on its Value (``Value.host``), and a read of a *pending* Value first tries
-``host_value``: if the Value's pending graph reaches only mirrored uploads, has at most
+So a small integer/bool upload (``engine.transfer.upload``, at most its ``MIRROR_MAX_ELEMENTS``
+elements) keeps a CPU copy on its Value (``Value.host``), and a read of a *pending* Value first
+tries ``host_value``: if the Value's pending graph reaches only such uploads, has at most
 ``MAX_NODES`` nodes and only deterministic, functional ATen ops with eager semantics (no random
 ops, no torchacc kernels, no CPU 0-dim tensor arguments), eager PyTorch runs those nodes on the
 copies and the read returns that, counted as ``HostEvaluatedRead`` in torchacc.metrics. The
@@ -56,7 +56,7 @@ def _eval(value, memo, budget):
     node = value.node
     if node is None:
         host = value.host
-        if host is None or not _exact(value.desc):
+        if host is None:  # only small integer/bool uploads keep one
             raise _NotHostKnown
         return host
     outs = memo.get(id(node))
