@@ -38,7 +38,13 @@ STAGES = [
     ("lowering", ["torchacc.lowering"]),
     (
         "base",
-        ["torchacc.metrics", "torchacc._jaxconfig", "torchacc.launch_checks", "torchacc.mpi_env"],
+        [
+            "torchacc.metrics",
+            "torchacc._jaxconfig",
+            "torchacc.launch_checks",
+            "torchacc.mpi_env",
+            "torchacc.hardware",
+        ],
     ),
 ]
 # frontends are independent of each other: the trace-once path reuses the stages below, not the
