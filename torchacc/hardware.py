@@ -1,10 +1,10 @@
 """Accelerators' peak numbers: what MFU and the planner's roofline divide by.
 
 One small table (standard library only, base stage) used by the launcher's MFU log,
-``ta.accelerate`` runs, ``benchmarks/`` and ``torchacc.plan``. Every figure is the vendor's dense (no sparsity)
-number from the datasheet named in ``source``; bandwidths are bytes per second. ``link_bw`` is the
-intra-node link (NVLink) per GPU per direction; ``network_bw`` is a typical inter-node figure per
-GPU (one 400 Gb/s NIC per GPU = 50 GB/s), which a user can override where the planner asks.
+``ta.accelerate`` runs, ``benchmarks/`` and ``torchacc.plan``. Every figure is the vendor's
+dense (no sparsity) number from the datasheet named in ``source``; bandwidths are bytes per
+second. ``link_bw`` is the intra-node link (NVLink) per GPU per direction; ``network_bw`` is a
+typical inter-node figure per GPU (one 400 Gb/s NIC per GPU = 50 GB/s).
 """
 
 from __future__ import annotations
@@ -62,24 +62,58 @@ ACCELERATORS = {
     a.name: a
     for a in (
         _gpu(
-            "h100-sxm", ["NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", "NVIDIA H100"],
-            989.4, 494.7, 66.9, 3.35, 80, 450,
+            "h100-sxm",
+            ["NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM", "NVIDIA H100"],
+            989.4,
+            494.7,
+            66.9,
+            3.35,
+            80,
+            450,
             "NVIDIA H100 Tensor Core GPU datasheet (SXM5): 989.4 TFLOP/s bf16 dense, 3.35 TB/s",
         ),
         _gpu(
-            "h100-pcie", ["NVIDIA H100 PCIe"], 756.5, 378.0, 51.2, 2.0, 80, 64,
+            "h100-pcie",
+            ["NVIDIA H100 PCIe"],
+            756.5,
+            378.0,
+            51.2,
+            2.0,
+            80,
+            64,
             "NVIDIA H100 datasheet (PCIe): 756 TFLOP/s bf16 dense, 2.0 TB/s",
         ),
         _gpu(
-            "h200", ["NVIDIA H200"], 989.4, 494.7, 66.9, 4.8, 141, 450,
+            "h200",
+            ["NVIDIA H200"],
+            989.4,
+            494.7,
+            66.9,
+            4.8,
+            141,
+            450,
             "NVIDIA H200 datasheet (SXM): 989 TFLOP/s bf16 dense, 4.8 TB/s, 141 GB",
         ),
         _gpu(
-            "a100", ["NVIDIA A100"], 312.0, 156.0, 19.5, 2.039, 80, 300,
+            "a100",
+            ["NVIDIA A100"],
+            312.0,
+            156.0,
+            19.5,
+            2.039,
+            80,
+            300,
             "NVIDIA A100 datasheet (SXM4 80GB): 312 TFLOP/s bf16 dense, 2.039 TB/s",
         ),
         _gpu(
-            "l40s", ["NVIDIA L40S"], 362.05, 183.0, 91.6, 0.864, 48, 32,
+            "l40s",
+            ["NVIDIA L40S"],
+            362.05,
+            183.0,
+            91.6,
+            0.864,
+            48,
+            32,
             "NVIDIA L40S datasheet: 362 TFLOP/s bf16 dense (733 sparse), 864 GB/s, no NVLink",
         ),
     )
