@@ -4,6 +4,7 @@
     python benchmarks/run.py --models resnet50,gpt2 --nproc 1 --repeats 3 --out benchmarks/out
     python benchmarks/run.py --quick            # tiny sizes on CPU, a few minutes
     python benchmarks/run.py --quick --tensorboard tb && tensorboard --logdir tb  # the curves
+    python benchmarks/run.py --plot out.png     # the docs' plot, from benchmarks/RESULTS.md
 
 Every run is one launcher process (``launch_single_task.py ... --output JSON``); runs are
 interleaved (repeat -> model -> mode) so machine drift hits every mode alike. A failed run is
@@ -102,6 +103,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         "so time to first step includes the XLA compile every time)",
     )
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
+    p.add_argument(
+        "--plot",
+        metavar="PNG",
+        default=None,
+        help="run nothing: draw the docs' Benchmarks plot from benchmarks/RESULTS.md into PNG",
+    )
     p.add_argument("--extra", default="", help="extra launcher flags, one string")
     p.add_argument(
         "--tensorboard",
@@ -544,6 +551,11 @@ def run_all(args, gpu, logdir) -> list[dict]:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    if args.plot:
+        sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+        from results_plot import main as plot_results
+
+        return plot_results([args.plot])
     gpu = detect_gpu()
     os.makedirs(args.out, exist_ok=True)
     logdir = os.path.join(args.out, "runs")

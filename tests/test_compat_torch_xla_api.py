@@ -1,6 +1,6 @@
 """The torch_xla API beyond xla_model's basics: spmd, the names scripts call (xm, xr, _XLAC, core,
 utils, debug, experimental, backends, test), metrics names/units, async closures, the xla://
-rendezvous, and the README coverage table generated from the code."""
+rendezvous, and the docs' coverage table generated from the code."""
 
 import json
 import os
@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_readme_coverage_table_is_generated_from_the_code():
-    readme = (ROOT / "README.md").read_text()
-    assert _coverage.readme_section(readme) == _coverage.table(), (
-        "README's torch_xla coverage table is stale: run "
-        "python -m torchacc.torch_xla._coverage --write README.md"
+    page = (ROOT / "docs" / "torch-xla.md").read_text()
+    assert _coverage.readme_section(page) == _coverage.table(), (
+        "docs/torch-xla.md's torch_xla coverage table is stale: run "
+        "python -m torchacc.torch_xla._coverage --write docs/torch-xla.md"
     )
 
 

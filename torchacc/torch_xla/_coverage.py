@@ -1,4 +1,4 @@
-"""The torch_xla API coverage table of the README, generated from the code.
+"""The torch_xla API coverage table of the docs (docs/torch-xla.md), generated from the code.
 
 ``API`` lists torch_xla 2.9's public names per module (the reference: what torch_xla scripts,
 transformers and accelerate call). For each name this module imports the torchacc counterpart and
@@ -7,9 +7,9 @@ note says how) or **not implemented** (the reason; calling it raises ``NotImplem
 **missing** means the name does not exist here.
 
     python -m torchacc.torch_xla._coverage            # print the table
-    python -m torchacc.torch_xla._coverage --write README.md   # refresh the README's copy
+    python -m torchacc.torch_xla._coverage --write docs/torch-xla.md   # refresh the docs' copy
 
-tests/test_compat_torch_xla_api.py checks that the README's table equals :func:`table`.
+tests/test_compat_torch_xla_api.py checks that the docs' table equals :func:`table`.
 """
 
 from __future__ import annotations
@@ -308,7 +308,7 @@ def rows():
 
 
 def table():
-    """The README table (markdown), one line per module and status."""
+    """The docs' table (markdown), one line per module and status."""
     lines = [
         BEGIN,
         "| module | status | names | notes |",
@@ -330,7 +330,7 @@ def table():
 
 
 def readme_section(text):
-    """The generated table as it stands in ``text`` (README), or None."""
+    """The generated table as it stands in ``text`` (docs/torch-xla.md), or None."""
     if BEGIN not in text or END not in text:
         return None
     start = text.index(BEGIN)
@@ -354,7 +354,7 @@ def main(argv=None):
     elif not argv:
         sys.stdout.write(table())
     else:
-        raise SystemExit("usage: python -m torchacc.torch_xla._coverage [--write README.md]")
+        raise SystemExit("usage: python -m torchacc.torch_xla._coverage [--write docs/torch-xla.md]")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,135 @@
+"""The documentation: the mkdocs site builds with ``--strict`` (no broken link or anchor, the
+Benchmarks plot generated, the API pages rendered), and every ```python block of README.md and
+docs/*.md runs on the CPU (Note [Docs code blocks] in tests/docs_blocks.py), one process per page,
+pages in parallel. A failing block fails its page's test naming the page and line; the suite's
+summary says how many blocks ran."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+
+import pytest
+from docs_blocks import ROOT, Block, DocsMarkupError, pages, parse, run_page
+
+# the blocks that run today (README + docs pages); a page that loses its examples fails this
+MIN_BLOCKS_RUN = 30
+
+
+def _page_id(path) -> str:
+    return str(path.relative_to(ROOT))
+
+
+def _runnable_pages():
+    out = []
+    for path in pages():
+        try:
+            blocks = parse(path)
+        except DocsMarkupError:
+            blocks = [Block(_page_id(path), 0, "")]  # test_docs_markup names the error
+        if any(b.skip is None for b in blocks):
+            out.append(path)
+    return out
+
+
+def test_docs_markup_and_block_count(record_property):
+    """Every directive is understood, every skip says why, and enough blocks run."""
+    errors, run, skipped = [], 0, []
+    for path in pages():
+        try:
+            blocks = parse(path)
+        except DocsMarkupError as e:
+            errors.append(str(e))
+            continue
+        run += sum(b.skip is None for b in blocks)
+        skipped += [f"{b.where} ({b.skip})" for b in blocks if b.skip is not None]
+    assert errors == []
+    print(f"docs: {run} python blocks to run, {len(skipped)} skipped: " + "; ".join(skipped))
+    record_property("docs_blocks_skipped", len(skipped))
+    assert run >= MIN_BLOCKS_RUN, f"only {run} docs code blocks run (expected >= {MIN_BLOCKS_RUN})"
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("path", _runnable_pages(), ids=_page_id)
+def test_docs_page_blocks_run(path, tmp_path, record_property):
+    blocks = parse(path)
+    ran, _ = run_page(blocks, str(tmp_path))
+    record_property("docs_blocks_ran", ran)
+    assert ran == sum(b.skip is None for b in blocks)
+
+
+@pytest.mark.timeout(300)
+def test_mkdocs_build_strict(tmp_path):
+    if importlib.util.find_spec("mkdocs") is None or importlib.util.find_spec("material") is None:
+        pytest.skip("mkdocs / mkdocs-material not installed (pip install -e '.[test]')")
+    p = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    site = tmp_path / "site"
+    assert (site / "benchmarks" / "index.html").exists() or (site / "benchmarks.html").exists()
+    plot = site / "img" / "benchmarks.png"
+    assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no benchmarks plot"
+    api = (site / "api" / "index.html").read_text()
+    for name in ("torchacc.accelerate", "torchacc.Config", "torchacc.parallel", "torchacc.horovod"):
+        assert name in api, f"the API page does not document {name}"
+
+
+def test_a_failing_block_names_its_page_and_line(tmp_path):
+    """A docs example that raises fails with the page and the line that raised."""
+    page = tmp_path / "docs" / "bad.md"
+    page.parent.mkdir()
+    page.write_text(
+        "# t\n\n```python\nx = 1\n```\n\n```python\ny = x + 1\nraise KeyError(y)\n```\n"
+    )
+    blocks = parse_outside(page)
+    with pytest.raises(AssertionError) as e:
+        run_page(blocks, str(tmp_path))
+    msg = str(e.value)
+    assert "bad.md:7: docs code block failed" in msg, msg
+    assert "line 9" in msg and "KeyError: 2" in msg, msg
+
+
+def parse_outside(page):
+    """parse() for a page outside the repository (the test above)."""
+    import docs_blocks
+
+    saved = docs_blocks.ROOT
+    docs_blocks.ROOT = page.parent.parent
+    try:
+        blocks = parse(page)
+    finally:
+        docs_blocks.ROOT = saved
+    for b in blocks:  # the runner resolves pages against the repository root
+        b.page = str(page)
+    return blocks
+
+
+@pytest.mark.parametrize(
+    "comment, error",
+    [
+        ("<!-- docs: skip -->", "needs a reason|write"),
+        ("<!-- docs: skip (reason: ) -->", "needs a reason"),
+        ("<!-- docs: devices four -->", "unknown docs directive"),
+        ("<!-- docs: launch mpirun -np 2 -->", "torchrun only"),
+    ],
+)
+def test_bad_directives_are_refused(tmp_path, comment, error):
+    page = tmp_path / "docs" / "bad.md"
+    page.parent.mkdir()
+    page.write_text(f"# t\n{comment}\n```python\nx = 1\n```\n")
+    with pytest.raises(DocsMarkupError, match=error):
+        parse_outside(page)
+
+
+def test_a_directive_must_touch_its_block(tmp_path):
+    page = tmp_path / "docs" / "bad.md"
+    page.parent.mkdir()
+    page.write_text("# t\n<!-- docs: devices 2 -->\n\n```python\nx = 1\n```\n")
+    with pytest.raises(DocsMarkupError, match="bad.md:2: a docs directive must be"):
+        parse_outside(page)
