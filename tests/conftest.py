@@ -72,3 +72,17 @@ def pytest_runtest_setup(item):
     marker = item.get_closest_marker("devices")
     if marker is not None:
         skip_unless_devices(*marker.args, **marker.kwargs)
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many docs code blocks ran (tests/test_docs.py's pages, summed over xdist workers)."""
+    ran = [
+        value
+        for report in terminalreporter.stats.get("passed", [])
+        for key, value in getattr(report, "user_properties", ())
+        if key == "docs_blocks_ran"
+    ]
+    if ran:
+        terminalreporter.write_line(
+            f"docs: {sum(ran)} python code blocks ran on {len(ran)} pages (tests/test_docs.py)"
+        )

@@ -11,12 +11,14 @@ directory as the working directory. The line right before a block may be one dir
     <!-- docs: skip (reason: needs a GPU) -->            not run; the reason is mandatory
     <!-- docs: devices 4 -->                             the page's process has 4 CPU devices
     <!-- docs: launch torchrun --nproc_per_node 2 -->    the block is a script run by that launcher
+    <!-- docs: devices 4; launch python -->              clauses combine, separated by ";"
 
 A page's process gets the most devices any of its blocks asks for (XLA's device count is fixed
-when JAX starts). A launched block runs on its own (it shares nothing with the page's other
-blocks). A block that raises fails with its page and line: tracebacks name the Markdown file and
-its line numbers. Any other ``<!-- docs: ... -->`` comment, or one not right before a python
-block, is an error.
+when JAX starts). A launched block runs on its own, in a fresh process (``launch python``) or
+under torchrun, and shares nothing with the page's other blocks (e.g. an SPMD example, which must
+switch SPMD mode on before any tensor is on the device). A block that raises fails with its page
+and line: tracebacks name the Markdown file and its line numbers. Any other
+``<!-- docs: ... -->`` comment, or one not right before a python block, is an error.
 """
 
 from __future__ import annotations
@@ -61,6 +63,11 @@ def pages() -> list[Path]:
 
 
 def _directive(page: str, lineno: int, body: str, block: Block) -> None:
+    clauses = [c.strip() for c in body.split(";")]
+    if len(clauses) > 1:
+        for clause in clauses:
+            _directive(page, lineno, clause, block)
+        return
     m = re.fullmatch(r"skip\s*\(reason:\s*(?P<reason>.*?)\s*\)", body)
     if m:
         if not m["reason"]:
@@ -80,15 +87,15 @@ def _directive(page: str, lineno: int, body: str, block: Block) -> None:
     m = re.fullmatch(r"launch\s+(?P<cmd>.+)", body)
     if m:
         cmd = shlex.split(m["cmd"])
-        if cmd[0] != "torchrun":
+        if cmd[0] not in ("torchrun", "python") or cmd[0] == "python" and len(cmd) > 1:
             raise DocsMarkupError(
-                f"{page}:{lineno}: `docs: launch` knows torchrun only, got {cmd[0]!r}"
+                f"{page}:{lineno}: `docs: launch` knows `torchrun ...` and `python`, got {cmd!r}"
             )
         block.launch = cmd
         return
     raise DocsMarkupError(
         f"{page}:{lineno}: unknown docs directive {body!r} (skip (reason: ...), devices N, "
-        "launch torchrun ...)"
+        "launch torchrun ... | python)"
     )
 
 
@@ -156,6 +163,8 @@ def _env(devices: int) -> dict:
 
 
 def _launcher(cmd: list[str]) -> list[str]:
+    if cmd == ["python"]:
+        return [sys.executable]
     args = cmd[1:]  # torchrun's flags, run by this Python
     if not any(a.startswith(("--master", "--rdzv", "--standalone")) for a in args):
         args = ["--standalone", *args]

@@ -7,6 +7,7 @@ summary says how many blocks ran."""
 from __future__ import annotations
 
 import importlib.util
+import re
 import subprocess
 import sys
 
@@ -14,7 +15,7 @@ import pytest
 from docs_blocks import ROOT, Block, DocsMarkupError, pages, parse, run_page
 
 # the blocks that run today (README + docs pages); a page that loses its examples fails this
-MIN_BLOCKS_RUN = 30
+MIN_BLOCKS_RUN = 23
 
 
 def _page_id(path) -> str:
@@ -80,6 +81,30 @@ def test_mkdocs_build_strict(tmp_path):
         assert name in api, f"the API page does not document {name}"
 
 
+def _slug(heading: str) -> str:
+    """mkdocs' (Python-Markdown toc's) anchor of a heading."""
+    text = re.sub(r"[^\w\s-]", "", heading.replace("`", "")).strip().lower()
+    return re.sub(r"[-\s]+", "-", text)
+
+
+def test_readme_links_resolve():
+    """The README is not part of the site, so its links to pages and anchors are checked here."""
+    readme = (ROOT / "README.md").read_text()
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", readme):
+        if target.startswith(("http://", "https://", "mailto:")):
+            continue
+        path, _, anchor = target.partition("#")
+        file = ROOT / path if path else ROOT / "README.md"
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md":
+            headings = re.findall(r"^#+\s+(.*)$", file.read_text(), flags=re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert broken == [], f"README links to missing files or anchors: {broken}"
+
+
 def test_a_failing_block_names_its_page_and_line(tmp_path):
     """A docs example that raises fails with the page and the line that raised."""
     page = tmp_path / "docs" / "bad.md"
@@ -116,7 +141,8 @@ def parse_outside(page):
         ("<!-- docs: skip -->", "needs a reason|write"),
         ("<!-- docs: skip (reason: ) -->", "needs a reason"),
         ("<!-- docs: devices four -->", "unknown docs directive"),
-        ("<!-- docs: launch mpirun -np 2 -->", "torchrun only"),
+        ("<!-- docs: launch mpirun -np 2 -->", "knows `torchrun ...` and `python`"),
+        ("<!-- docs: devices 2; launch python x.py -->", "knows `torchrun ...` and `python`"),
     ],
 )
 def test_bad_directives_are_refused(tmp_path, comment, error):
