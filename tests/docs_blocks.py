@@ -139,7 +139,8 @@ def parse(path: Path) -> list[Block]:
             if pending is not None:
                 _directive(page, pending[0], pending[1], block)
             blocks.append(block)
-        elif pending is not None:
+        elif pending is not None and not pending[1].startswith("skip"):
+            # (a skip before a bash block says nothing wrong: such blocks never run)
             raise DocsMarkupError(
                 f"{page}:{pending[0]}: a docs directive must be the line right before a "
                 f"```python block (this one is ```{info})"
