@@ -7,6 +7,7 @@ summary says how many blocks ran."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -67,6 +68,7 @@ def test_mkdocs_build_strict(tmp_path):
     p = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=ROOT,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1", "JAX_PLATFORMS": "cpu"},
         capture_output=True,
         text=True,
         timeout=280,
