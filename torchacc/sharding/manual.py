@@ -49,6 +49,50 @@ def compile_manual(program, args, donate):
     return ManualExecutable(exe, rep)
 
 
+def per_process_region(program, in_shardings, n_out):
+    """SPMD mode: ``program`` (``(floats, ints, *arrays) -> list``) holding a per-process
+    collective as a manual region over the process axes of the engine mesh, automatic over the
+    others (Note [One mesh]). Every argument and result is declared replicated over the process
+    axes, as in ``compile_manual``: each process's devices hold its own values (its replica of the
+    model, sharded over its local devices by XLA's partitioner), and the collectives inside run
+    over the process axes. An argument split over a process axis is a ValueError."""
+    from jax.sharding import PartitionSpec
+
+    from torchacc.sharding import rules
+
+    engine = job.engine_mesh()
+    axes = job.process_axes(engine)
+    if not axes:  # one process: nothing to reduce across (the helpers record no collective)
+        return program
+    for k, s in enumerate(in_shardings):
+        used = {
+            n
+            for e in getattr(s, "spec", ())
+            if e is not None
+            for n in (e if isinstance(e, tuple) else (e,))
+        }
+        if used & set(axes):
+            raise ValueError(
+                f"torchacc: a step holding a per-process collective (xm.all_reduce, DDP, Horovod) "
+                f"reads argument {k - 2} split over the process axes {axes} of mesh "
+                f"{dict(engine.shape)} ({s.spec}); per-process code sees its own process's data: "
+                "shard it over the local axes only"
+            )
+
+    def body(*xs):
+        with rules.lowering_region(axes):
+            return list(program(*xs))
+
+    return jax.shard_map(
+        body,
+        mesh=engine,
+        in_specs=PartitionSpec(),
+        out_specs=[PartitionSpec()] * n_out,
+        axis_names=frozenset(axes),
+        check_vma=False,
+    )
+
+
 _compiles = [0]
 
 
