@@ -38,7 +38,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.1)
 ropt = torch.optim.SGD(ref.parameters(), lr=0.1)
 gen = torch.Generator().manual_seed(1)
 graphs, errs = [], []
-for step in range(4):
+for _ in range(4):
     xg, yg = torch.randn(8, 4, generator=gen), torch.randn(8, 6, generator=gen)
     x, y = xg[rank * 4 : rank * 4 + 4], yg[rank * 4 : rank * 4 + 4]  # this process's half
     before = new_graphs()

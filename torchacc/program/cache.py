@@ -69,12 +69,16 @@ def compiled_for(graph, args, shardings=None):
         if shardings is not None:  # Note [SPMD mode] in sharding/mesh.py
             ins, outs, in_pads, out_pads = shardings
             program = sharding.unpadded(program_of(graph), graph, in_pads, out_pads)
-            if manual.is_collective_graph(graph):  # per-process code: Note [One mesh]
+            collective = manual.is_collective_graph(graph)
+            if collective:  # per-process code: Note [One mesh]
                 program = manual.per_process_region(program, ins, len(outs))
+                n = manual.begin_collective_compile()
             fn = jax.jit(program, donate_argnums=donate, in_shardings=ins, out_shardings=list(outs))
             exe = fn.lower(*args).compile()
+            if collective:  # Note [Aligning collective programs]
+                manual._align_after_compile(n, manual.fingerprint(graph))
         elif manual.is_collective_graph(graph):  # Note [Multi-process programs]
-            exe = manual.compile_manual(program_of(graph), args, donate)
+            exe = manual.compile_manual(program_of(graph), args, donate, graph)
         else:  # Note [Pieces read at offset arguments] in build.py
             offsets = [_offset(o) for o in piece_offsets(graph)] if _OFFSET_ARGS else []
             fn = jax.jit(program_of(graph, offsets=bool(offsets)), donate_argnums=donate)
