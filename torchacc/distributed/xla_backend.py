@@ -15,8 +15,9 @@ pending graph (``torchacc.distributed.collectives``) and run by XLA at the next 
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
 coordination service. ``send``/``recv`` in a 2-process job are one ppermute each, run at once
-as torch's blocking calls are (the peers' matching calls run the same op); rooted gather/scatter raise ``NotImplementedError``; so
-does any collective on a group smaller than the whole job.
+as torch's blocking calls are (the peers' matching calls run the same op); rooted
+gather/scatter raise ``NotImplementedError``; so does any collective on a group smaller than the
+whole job.
 """
 
 from __future__ import annotations
