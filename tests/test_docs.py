@@ -161,3 +161,27 @@ def test_a_directive_must_touch_its_block(tmp_path):
     page.write_text("# t\n<!-- docs: devices 2 -->\n\n```python\nx = 1\n```\n")
     with pytest.raises(DocsMarkupError, match="bad.md:2: a docs directive must be"):
         parse_outside(page)
+
+
+def test_benchmarks_plot_is_drawn_from_the_log(tmp_path):
+    """``benchmarks/run.py --plot`` runs nothing and draws the docs' plot from RESULTS.md's
+    tables; a table it needs that is gone is an error naming its columns."""
+    out = tmp_path / "plot.png"
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "run.py"), "--plot", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import results_plot
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    text = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+    series = results_plot.compile_time_by_depth(text)
+    assert {"scan", "loop"} <= set(series) and len(series["scan"]) >= 3
+    with pytest.raises(LookupError, match="depth"):
+        results_plot.compile_time_by_depth("| a | b |\n|---|---|\n| 1 | 2 |\n")
