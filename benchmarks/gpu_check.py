@@ -595,7 +595,7 @@ def fsdp_lines(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        for rid, _w, _s, _f, est, cap in RUNS:
+        for rid, *_, est, cap in RUNS:
             print(f"{rid:28s} expected {est:3d} s, cap {cap:3d} s")
         return 0
     t_start = time.perf_counter()

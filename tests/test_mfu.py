@@ -1,0 +1,204 @@
+"""MFU while it runs (issue 41 part 4): the step program's FLOPs from XLA's cost analysis, read once
+per compile and counted per launch at no cost (Note [Step FLOPs] in torchacc/metrics.py); the
+GPU XLA flags' guard (Note [XLA GPU flags] in torchacc/_jaxconfig.py); the GPU check's smoke run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torchacc
+import torchacc.dynamo
+from torchacc import _jaxconfig, metrics
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _xla_flops(exe) -> float:
+    costs = exe.cost_analysis()
+    if isinstance(costs, (list, tuple)):
+        costs = costs[0]
+    return float(costs["flops"])
+
+
+@pytest.fixture
+def compiled(monkeypatch):
+    """Every executable a compile path hands to ``metrics.program_compiled``."""
+    seen = []
+    real = metrics.program_compiled
+
+    def spy(exe, flops=None):
+        seen.append(exe)
+        return real(exe, flops)
+
+    monkeypatch.setattr(metrics, "program_compiled", spy)
+    metrics.clear_all()
+    return seen
+
+
+def _mlp(device=None):
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return m.to(device) if device is not None else m
+
+
+def test_lazy_step_flops_are_the_compiled_programs_cost_analysis(compiled):
+    dev = torchacc.device()
+    model = _mlp(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(8, 16).to(dev)
+    torchacc.sync()
+    metrics.clear_counters()
+    seen_before = len(compiled)
+    steps, reads = 6, []
+    for _ in range(steps):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        torchacc.sync()
+        reads.append(metrics.executed_flops())  # what a log line reads: no sync, no compile
+    step_exes = compiled[seen_before:]
+    assert len(step_exes) == 1, "one step program"
+    flops = _xla_flops(step_exes[0])
+    assert flops > 0
+    assert metrics.program_flops(step_exes[0]) == flops
+    assert metrics.last_program_flops() == flops
+    assert reads == [flops * (i + 1) for i in range(steps)]
+    # reading the FLOPs every step cost no sync, read or compile of its own
+    assert metrics.counter_value("MarkStep") == steps
+    assert metrics.counter_value("UncachedCompile") in (None, 1)
+    assert metrics.counter_value("ReadSync") is None
+    assert metrics.counter_value("TransferFromDevice") is None
+    n, _, costs = metrics.metric_data("CostAnalysisTime")
+    assert n == len(compiled)
+    metrics.clear_counters()
+    assert metrics.executed_flops() == 0.0 and metrics.last_program_flops() is None
+    assert metrics.program_flops(step_exes[0]) == flops  # a program's FLOPs outlive the counters
+
+
+def test_trace_once_step_flops_are_the_compiled_programs_cost_analysis(compiled):
+    model = _mlp()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = torch.randn(8, 16), torch.randn(8, 4)
+
+    @torchacc.dynamo.compile_step
+    def step(x, y):
+        opt.zero_grad()
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    for _ in range(5):
+        step(x, y)
+    programs = [e for e in compiled if metrics.program_flops(e)]
+    assert len(programs) == 1, "the whole step is one program"
+    flops = _xla_flops(programs[0])
+    assert metrics.program_flops(programs[0]) == flops
+    launched = metrics.counter_value("DynamoExecute")
+    assert launched >= 3  # the first call runs eagerly, the second traces
+    assert metrics.executed_flops() == pytest.approx(flops * launched)
+    assert metrics.last_program_flops() == flops
+
+
+def test_unknown_flops_are_not_recorded():
+    class NoCosts:
+        def cost_analysis(self):
+            raise NotImplementedError("no cost analysis on this backend")
+
+    class ZeroCosts:
+        def cost_analysis(self):
+            return [{"bytes accessed": 8.0}]  # older JAX: a list, and no "flops"
+
+    metrics.clear_counters()
+    for exe in (NoCosts(), ZeroCosts()):
+        metrics.program_compiled(exe)
+        metrics.program_ran(exe)
+        assert metrics.program_flops(exe) is None
+    assert metrics.executed_flops() == 0.0
+
+
+def test_program_flops_leave_with_the_executable():
+    class Exe:
+        def cost_analysis(self):
+            return {"flops": 12.0}
+
+    exe = Exe()
+    metrics.program_compiled(exe)
+    key = id(exe)
+    assert metrics._program_flops[key] == 12.0
+    del exe
+    assert key not in metrics._program_flops
+
+
+# ----------------------------------------------------------------------------- XLA GPU flags
+def _fake_binaries(tmp_path, monkeypatch, text: bytes):
+    plugin = tmp_path / "xla_cuda_plugin.so"
+    plugin.write_bytes(b"\0" * 64 + text + b"\0" * 64)
+    monkeypatch.setattr(_jaxconfig, "_gpu_plugin_binaries", lambda: [str(plugin)])
+    monkeypatch.setattr(_jaxconfig, "_xla_binaries", lambda: [])
+
+
+def test_gpu_flags_added_only_when_xla_knows_them(tmp_path, monkeypatch):
+    flag = _jaxconfig.GPU_XLA_FLAGS[0]
+    name = flag.split("=")[0][2:].encode()
+    _fake_binaries(tmp_path, monkeypatch, b"other flags " + name + b" more")
+    assert _jaxconfig.gpu_xla_flags("", env={}) == flag
+    assert (
+        _jaxconfig.gpu_xla_flags("--xla_dump_to=/tmp/d", env={}) == f"--xla_dump_to=/tmp/d {flag}"
+    )
+    # the user's value wins, either way
+    mine = flag.split("=")[0] + "=false"
+    assert _jaxconfig.gpu_xla_flags(mine, env={}) == mine
+    assert _jaxconfig.gpu_xla_flags("", env={"TORCHACC_XLA_GPU_FLAGS": "0"}) == ""
+    # an XLA that does not know the flag never sees it (it would abort the process)
+    _fake_binaries(tmp_path, monkeypatch, b"xla_gpu_something_else")
+    assert _jaxconfig.gpu_xla_flags("", env={}) == ""
+
+
+def test_no_gpu_flags_on_a_cpu_only_install(monkeypatch):
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")
+    assert _jaxconfig._gpu_plugin_binaries() == []
+    assert _jaxconfig.gpu_xla_flags("--xla_foo=1") == "--xla_foo=1"
+
+
+# ----------------------------------------------------------------------------- the GPU check
+def test_gpu_check_smoke_one_run(tmp_path):
+    """benchmarks/gpu_check.py --smoke: one run end to end on the CPU, its row and table."""
+    out = tmp_path / "gc"
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "gpu_check.py"),
+            "--smoke",
+            "--no_plan",
+            "--only",
+            "gpt2.eager",
+            "--out",
+            str(out),
+            "--peak_tflops",
+            "1",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = [json.loads(ln) for ln in (out / "results.jsonl").read_text().splitlines()]
+    meta, row = lines[0]["meta"], lines[1]
+    assert meta["smoke"] and meta["env"]["jax_platform"] == "cpu"
+    assert row["id"] == "gpt2.eager" and "error" not in row, row
+    assert row["tokens_per_sec"] > 0 and row["peak_mem_gib"] > 0
+    # MFU: the analytic model FLOPs over the step time, against --peak_tflops
+    flops = meta["model_flops"]["gpt2"]
+    assert row["model_tflops"] == pytest.approx(flops / (row["step_ms"] / 1000) / 1e12)
+    assert row["mfu"] == pytest.approx(row["model_tflops"] / 1.0)
+    table = (out / "results.md").read_text()
+    assert "| gpt-tiny (smoke) | eager |" in table and "tok/s" in table
