@@ -48,6 +48,8 @@ def _load_run_module():
 
 
 bench = _load_run_module()
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import _flops  # noqa: E402
 
 # ----------------------------------------------------------------------------- the runs
 SIDES = {  # side -> launcher flags
@@ -109,7 +111,7 @@ RUNS = [
     ("gpt2.torchacc-trace-once", "gpt2", "torchacc-trace-once", False, 70, 180),
     ("gpt2-fsdp.eager", "gpt2", "eager", True, 35, 120),
 ]
-GPU_STEPS, GPU_WARMUP = 20, 5
+GPU_STEPS, GPU_WARMUP = 30, 10
 SMOKE_STEPS, SMOKE_WARMUP = 4, 2
 
 
@@ -176,49 +178,8 @@ def launcher_flags(args, workload: str, side: str, fsdp: bool, output: str) -> l
 
 # ----------------------------------------------------------------------------- model FLOPs
 def model_flops_per_step(args, workload: str) -> tuple[float | None, str]:
-    """Training FLOPs of one step by the model's arithmetic (not what a compiler emitted): the
-    transformers 6·N + 12·L·d·T per token (N: parameters in matmuls, i.e. without the position
-    and input-embedding lookups; T: the sequence length), ResNet's forward + backward as counted
-    by torch's FlopCounterMode on the meta device."""
-    flags = WORKLOADS[workload]["smoke" if args.smoke else "gpu"]
-    model = flags[flags.index("--model") + 1]
-    batch = int(flags[flags.index("--batch_size") + 1])
-    try:
-        import torch
-
-        sys.path.insert(0, ROOT)
-        if workload == "resnet50":
-            from torch.utils.flop_counter import FlopCounterMode
-
-            from gallery.resnet50.model import build
-
-            size = int(flags[flags.index("--image_size") + 1])
-            with torch.device("meta"):
-                net = build(model)
-                x = torch.randn(2, 3, size, size)  # BatchNorm needs 2
-            with FlopCounterMode(display=False) as fc:
-                net(x).sum().backward()
-            return fc.get_total_flops() / 2 * batch, "FlopCounterMode fwd+bwd"
-        seq = int(flags[flags.index("--seq_len") + 1])
-        if workload == "gpt2":
-            from gallery.gpt.model import CONFIGS, build_gpt
-
-            cfg = CONFIGS[model]
-            with torch.device("meta"):
-                net = build_gpt(model)
-            skip = ("wpe.weight",)  # wte is the tied lm_head: it is a matmul
-        else:
-            from gallery.llama.model import CONFIGS, build_llama
-
-            cfg = CONFIGS[model]
-            with torch.device("meta"):
-                net = build_llama(model)
-            skip = ("embed.weight",)
-        n = sum(p.numel() for name, p in net.named_parameters() if name not in skip)
-        per_token = 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq
-        return float(per_token * batch * seq), "6N+12LdT"
-    except Exception as e:  # noqa: BLE001 - a missing number, not a failed check
-        return None, f"n/a ({type(e).__name__}: {e})"
+    """Training FLOPs of one step by the model's arithmetic (benchmarks/_flops.py)."""
+    return _flops.from_launcher_flags(WORKLOADS[workload]["smoke" if args.smoke else "gpu"])
 
 
 # ----------------------------------------------------------------------------- environment
