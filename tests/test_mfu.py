@@ -202,3 +202,51 @@ def test_gpu_check_smoke_one_run(tmp_path):
     assert row["mfu"] == pytest.approx(row["model_tflops"] / 1.0)
     table = (out / "results.md").read_text()
     assert "| gpt-tiny (smoke) | eager |" in table and "tok/s" in table
+
+
+def _load(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_bench_" + name, os.path.join(ROOT, "benchmarks", name + ".py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_run_table_shows_tflops_and_mfu():
+    """benchmarks/run.py: model TFLOP/s and MFU over the step time, XLA's TFLOP/s for torchacc;
+    MFU n/a on a CPU unless --peak_tflops."""
+    run = _load("run")
+    flops = _load("_flops")
+    args = run.parse_args(["--quick", "--peak_tflops", "2"])
+    flags = run.launcher_flags(args, "gpt2", "torchacc", False, "-")
+    model_flops, how = flops.from_launcher_flags(flags)
+    assert how == "6N+12LdT" and model_flops > 0
+    row = {"step_time_ms": 100.0, "tokens_per_sec": 5120.0}
+    got = run.flops_stats(args, flags, row, {"torchacc": {"step_flops": 5e9}}, None)
+    assert got["tflops"] == pytest.approx(model_flops / 0.1 / 1e12)
+    assert got["mfu"] == pytest.approx(got["tflops"] / 2.0)
+    assert got["xla_tflops"] == pytest.approx(5e9 / 0.1 / 1e12)
+    cpu = run.flops_stats(run.parse_args(["--quick"]), flags, row, None, None)
+    assert cpu["mfu"] is None and "xla_tflops" not in cpu
+    h100 = run.flops_stats(run.parse_args(["--quick"]), flags, row, None, "NVIDIA H100 80GB HBM3")
+    assert h100["mfu"] == pytest.approx(model_flops / 0.1 / 989.4e12)
+    summary = [
+        {"label": "gpt-tiny", "mode": "torchacc", "ok": 1, "runs": 1, "errors": [],
+         "samples_per_sec": 80.0, "samples_per_sec_min": 80.0, "samples_per_sec_max": 80.0,
+         "spread": 0.0, "step_time_ms": 100.0, "first_step_s": 1.0, "peak_mem_gib": 0.5,
+         **row, **{k: v for k, v in cpu.items()}}
+    ]  # fmt: skip
+    meta = {"device": "cpu", "amp_level": "O0", "repeats": 1, "steps": 4, "warmup": 2,
+            "nproc": 1, "date": "d", "command": "c"}  # fmt: skip
+    md = run.markdown(summary, meta)
+    assert "| tokens/s | step ms | TFLOP/s (XLA) | MFU |" in md
+    assert f"| 5,120 | 100.0 | {cpu['tflops']:.3g} | n/a |" in md
+
+
+def test_model_flops_resnet50_is_the_published_count():
+    """ResNet-50 at 224²: 4.1 GMACs forward (8.2 GFLOPs), x3 for forward + backward."""
+    flops, how = _load("_flops").model_flops_per_step("resnet50", 1, image_size=224)
+    assert 23.5e9 < flops < 25e9, flops
