@@ -485,25 +485,25 @@ def _f(x, fmt, none="–"):
 
 
 def parity(rows: list[dict], row: dict) -> str:
-    """Loss at the first and last fetched step against the eager run of the same workload (the
-    FSDP runs against eager FSDP when it ran, else plain eager)."""
-    if "losses" not in row or row["side"] == "eager" and not row["fsdp"]:
-        return "(baseline)" if "losses" in row else "–"
+    """Loss at the first and last fetched step, against the eager run of the same workload (the
+    plain one for plain runs, eager FSDP for FSDP runs, else whichever eager ran)."""
+    if not row.get("losses"):
+        return "–"
+    own = f"{row['losses'][0]:.4f}/{row['losses'][-1]:.4f}"
+    if row["side"] == "eager":
+        return own + " (baseline)"
     base = [
         r
         for r in rows
-        if r["workload"] == row["workload"]
-        and r["side"] == "eager"
-        and "losses" in r
-        and r is not row
+        if r["workload"] == row["workload"] and r["side"] == "eager" and r.get("losses")
     ]
-    base.sort(key=lambda r: r["fsdp"] != row["fsdp"])  # same fsdp setting first
-    if not base or not base[0]["losses"] or not row["losses"]:
-        return "–"
+    base.sort(key=lambda r: r["fsdp"] != row["fsdp"])  # the same fsdp setting first
+    if not base:
+        return own + " (no eager run)"
     a, b = base[0]["losses"], row["losses"]
     d0 = abs(b[0] - a[0]) / max(abs(a[0]), 1e-12)
     d1 = abs(b[-1] - a[-1]) / max(abs(a[-1]), 1e-12)
-    return f"{b[0]:.4f}/{b[-1]:.4f} (Δ {100 * d0:.2f}%/{100 * d1:.2f}%)"
+    return f"{own} (Δ {100 * d0:.2f}%/{100 * d1:.2f}%)"
 
 
 def markdown(rows: list[dict], meta: dict, plans: dict) -> str:

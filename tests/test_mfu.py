@@ -250,3 +250,30 @@ def test_model_flops_resnet50_is_the_published_count():
     """ResNet-50 at 224²: 4.1 GMACs forward (8.2 GFLOPs), x3 for forward + backward."""
     flops, how = _load("_flops").model_flops_per_step("resnet50", 1, image_size=224)
     assert 23.5e9 < flops < 25e9, flops
+
+
+def test_flops_window_reports_the_steps_since_the_last_line():
+    class Exe:
+        def cost_analysis(self):
+            return {"flops": 4e12}
+
+    exe = Exe()
+    metrics.clear_counters()
+    metrics.program_compiled(exe)
+    window = metrics.FlopsWindow()
+    assert window.take(steps=3, seconds_per_step=0.1) is None  # nothing ran yet
+    for _ in range(3):
+        metrics.program_ran(exe)
+    got = window.take(steps=3, seconds_per_step=0.1, peak_flops=80e12)
+    assert got == {"step_flops": 4e12, "tflops": pytest.approx(40.0), "mfu": pytest.approx(0.5)}
+    metrics.program_ran(exe)
+    assert window.take(steps=1, seconds_per_step=0.2)["mfu"] is None  # no peak: n/a
+
+
+def test_device_peak():
+    from torchacc import hardware
+
+    assert hardware.device_peak("NVIDIA H100 80GB HBM3") == pytest.approx(989.4e12)
+    assert hardware.device_peak("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(66.9e12)
+    assert hardware.device_peak("cpu") is None
+    assert hardware.device_peak("cpu", peak_tflops=2.5) == pytest.approx(2.5e12)

@@ -171,6 +171,30 @@ def last_program_flops():
     return _flops[1] or None
 
 
+class FlopsWindow:
+    """Achieved FLOP/s per device between log lines (Note [Step FLOPs]): ``take`` reads
+    ``executed_flops()`` (a float, no sync) and reports the window since the previous ``take``."""
+
+    def __init__(self):
+        self._mark = executed_flops()
+
+    def take(self, steps: int, seconds_per_step: float, peak_flops: float | None = None):
+        """``{"step_flops", "tflops", "mfu"}`` for the ``steps`` steps since the last call, run at
+        ``seconds_per_step`` each (the log line's step time); None when no program with known
+        FLOPs ran (an eager run, a backend without cost analysis)."""
+        now = executed_flops()
+        delta, self._mark = now - self._mark, now
+        if delta <= 0 or steps <= 0 or not seconds_per_step or seconds_per_step <= 0:
+            return None
+        per_step = delta / steps
+        achieved = per_step / seconds_per_step
+        return {
+            "step_flops": per_step,
+            "tflops": achieved / 1e12,
+            "mfu": achieved / peak_flops if peak_flops else None,
+        }
+
+
 def executed_fallback_ops():
     return sorted(name for name in _counters if name.startswith("aten::"))
 
