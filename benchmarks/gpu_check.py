@@ -276,9 +276,9 @@ for item in spec:
 """
 
 
-def plan_requests(args, accel: str | None) -> list[dict]:
+def plan_requests(args, accel: str | None, workloads) -> list[dict]:
     out = []
-    for workload in WORKLOADS:
+    for workload in workloads:
         flags = WORKLOADS[workload]["smoke" if args.smoke else "gpu"]
         kw = {
             "model": flags[flags.index("--model") + 1],
@@ -298,12 +298,20 @@ def plan_requests(args, accel: str | None) -> list[dict]:
     return out
 
 
-def start_plans(args, accel, env, logdir):
+def start_plans(args, accel, env, logdir, workloads):
     if args.no_plan:
         return None
     penv = dict(env, JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")  # no GPU memory
     log = open(os.path.join(logdir, "plan.log"), "w")
-    cmd = ["nice", "-n", "10", sys.executable, "-c", _PLAN, json.dumps(plan_requests(args, accel))]
+    cmd = [
+        "nice",
+        "-n",
+        "10",
+        sys.executable,
+        "-c",
+        _PLAN,
+        json.dumps(plan_requests(args, accel, workloads)),
+    ]
     try:
         return subprocess.Popen(
             cmd, cwd=ROOT, env=penv, stdout=log, stderr=subprocess.STDOUT, text=True
@@ -618,8 +626,12 @@ def main(argv=None) -> int:
     from torchacc import hardware
 
     acc = hardware.from_device_kind(info.get("device_kind") or info.get("torch_device") or "")
-    plan_proc = start_plans(args, acc.name if acc else None, env, logdir)
-    flops = {w: model_flops_per_step(args, w) for w in WORKLOADS}
+    runs = [r for r in RUNS if not args.only or r[0] in args.only]
+    if args.only:
+        runs.sort(key=lambda r: args.only.index(r[0]))
+    workloads = [w for w in WORKLOADS if any(r[1] == w for r in runs)]
+    plan_proc = start_plans(args, acc.name if acc else None, env, logdir, workloads)
+    flops = {w: model_flops_per_step(args, w) for w in workloads}
     for w, (fl, how) in flops.items():
         print(f"[gpu_check]   model FLOPs/step {w}: {_f(fl, '.4g')} ({how})", flush=True)
     meta = {
@@ -647,9 +659,6 @@ def main(argv=None) -> int:
         with open(md_path, "w") as f:
             f.write(markdown(rows, meta, read_plans(logdir)))
 
-    runs = [r for r in RUNS if not args.only or r[0] in args.only]
-    if args.only:
-        runs.sort(key=lambda r: args.only.index(r[0]))
     for run in runs:
         rid, workload, side, fsdp, est, cap = run
         left = args.budget_s - (time.perf_counter() - t_start) - RESERVE_S

@@ -168,6 +168,7 @@ def test_no_gpu_flags_on_a_cpu_only_install(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the GPU check
+@pytest.mark.slow
 def test_gpu_check_smoke_one_run(tmp_path):
     """benchmarks/gpu_check.py --smoke: one run end to end on the CPU, its row and table."""
     out = tmp_path / "gc"
