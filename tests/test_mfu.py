@@ -278,3 +278,16 @@ def test_device_peak():
     assert hardware.device_peak("NVIDIA H100 80GB HBM3", "float32") == pytest.approx(66.9e12)
     assert hardware.device_peak("cpu") is None
     assert hardware.device_peak("cpu", peak_tflops=2.5) == pytest.approx(2.5e12)
+
+
+def test_accelerate_page_reports_tokens_tflops_and_mfu():
+    """ta.accelerate runs (gallery/accelerate/main.py) log tokens/s, and for the lazy device the
+    step programs' TFLOP/s per device and MFU against --peak_tflops."""
+    from gallery.accelerate import main as page
+
+    argv = ["--steps", "4", "--warmup", "1", "--buckets", "16", "--max-len", "16", "--json"]
+    eager, lazy = page.main([*argv, "--peak_tflops", "0.5"])
+    assert eager["tokens_per_sec"] > 0 and lazy["tokens_per_sec"] > 0
+    assert eager["tflops"] is None and eager["mfu"] is None  # no compiled program
+    assert lazy["tflops"] > 0
+    assert lazy["mfu"] == pytest.approx(lazy["tflops"] / 0.5)
