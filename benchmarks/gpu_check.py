@@ -236,6 +236,24 @@ def probe_environment(env: dict, timeout: float) -> dict:
         return {"probe_error": f"environment probe exceeded {timeout:.0f} s"}
 
 
+def nvidia_smi() -> str | None:
+    """The GPU's name, driver, memory and clocks as nvidia-smi reports them (None without it)."""
+    try:
+        proc = subprocess.run(
+            [
+                "nvidia-smi",
+                "--query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit",
+                "--format=csv,noheader",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return proc.stdout.strip() or None if proc.returncode == 0 else None
+
+
 def peak_flops(args, info: dict) -> tuple[float | None, str]:
     if args.peak_tflops:
         return args.peak_tflops * 1e12, f"--peak_tflops {args.peak_tflops:g}"
@@ -572,6 +590,13 @@ def markdown(rows: list[dict], meta: dict, plans: dict) -> str:
     for line in fsdp_lines(rows):
         lines.append(line)
     lines.append("")
+    lines.append(
+        f"Plan column: `torchacc.plan` for {meta.get('plan_device')}, mesh dp=1 (fsdp=1 for the "
+        "FSDP rows), the same batch and precision: estimated step time, MFU and memory per device."
+    )
+    if meta["smoke"]:
+        lines.append("Smoke run: tiny shapes on the CPU; no number here is a GPU number.")
+    lines.append("")
     for rid, item in sorted(plans.items()):
         if "error" in item:
             lines.append(f"plan {rid}: n/a ({item['error'][:200]})")
@@ -619,6 +644,8 @@ def main(argv=None) -> int:
 
     print("[gpu_check] probing the environment ...", flush=True)
     info = probe_environment(env, timeout=min(120.0, args.budget_s / 4))
+    if not args.smoke:
+        info["nvidia_smi"] = nvidia_smi()
     for k, v in info.items():
         print(f"[gpu_check]   {k}: {v}", flush=True)
     peak, peak_txt = peak_flops(args, info)
@@ -636,6 +663,7 @@ def main(argv=None) -> int:
         print(f"[gpu_check]   model FLOPs/step {w}: {_f(fl, '.4g')} ({how})", flush=True)
     meta = {
         "mode": "smoke, CPU" if args.smoke else "one GPU",
+        "plan_device": acc.name if acc else "h100-sxm (torchacc.plan's default)",
         "smoke": args.smoke,
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "command": " ".join(
