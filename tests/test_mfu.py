@@ -147,7 +147,7 @@ def _fake_binaries(tmp_path, monkeypatch, text: bytes):
 def test_gpu_flags_added_only_when_xla_knows_them(tmp_path, monkeypatch):
     flag = _jaxconfig.GPU_XLA_FLAGS[0]
     name = flag.split("=")[0][2:].encode()
-    _fake_binaries(tmp_path, monkeypatch, b"other flags " + name + b" more")
+    _fake_binaries(tmp_path, monkeypatch, b"other flags\0" + name + b"\0more")
     assert _jaxconfig.gpu_xla_flags("", env={}) == flag
     assert (
         _jaxconfig.gpu_xla_flags("--xla_dump_to=/tmp/d", env={}) == f"--xla_dump_to=/tmp/d {flag}"
@@ -156,9 +156,11 @@ def test_gpu_flags_added_only_when_xla_knows_them(tmp_path, monkeypatch):
     mine = flag.split("=")[0] + "=false"
     assert _jaxconfig.gpu_xla_flags(mine, env={}) == mine
     assert _jaxconfig.gpu_xla_flags("", env={"TORCHACC_XLA_GPU_FLAGS": "0"}) == ""
-    # an XLA that does not know the flag never sees it (it would abort the process)
-    _fake_binaries(tmp_path, monkeypatch, b"xla_gpu_something_else")
-    assert _jaxconfig.gpu_xla_flags("", env={}) == ""
+    # an XLA that does not know the flag never sees it (it would abort the process); nor one
+    # where the name is only part of a longer string
+    for text in (b"xla_gpu_something_else", b"\0xla." + name + b"\0", b"\0" + name + b"_v2\0"):
+        _fake_binaries(tmp_path, monkeypatch, text)
+        assert _jaxconfig.gpu_xla_flags("", env={}) == "", text
 
 
 def test_no_gpu_flags_on_a_cpu_only_install(monkeypatch):

@@ -23,8 +23,9 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 # - --xla_gpu_enable_latency_hiding_scheduler=true: schedule collectives (FSDP's all-gathers and
 #   reduce-scatters, DP's all-reduces) to overlap with compute; NVIDIA's JAX containers set it too.
 # XLA aborts the process on a flag it does not know ("Unknown flags in XLA_FLAGS"), and flags come
-# and go between XLA versions. So a flag is only added when its name is in every XLA binary that
-# parses XLA_FLAGS here (jaxlib's and the GPU plugin's); otherwise it is left out silently. A flag
+# and go between XLA versions. So a flag is only added when its name is a string of its own (the
+# literal XLA registers the flag with) in every XLA binary that parses XLA_FLAGS here (jaxlib's
+# and the GPU plugin's); otherwise it is left out silently. A flag
 # the user wrote in XLA_FLAGS (either value) wins; TORCHACC_XLA_GPU_FLAGS=0 adds none.
 GPU_XLA_FLAGS = ("--xla_gpu_enable_latency_hiding_scheduler=true",)
 
@@ -77,7 +78,8 @@ def gpu_xla_flags(xla_flags: str, env=os.environ) -> str:
         name = flag.split("=", 1)[0]
         if name in xla_flags:  # the user's choice wins
             continue
-        if all(_binary_knows(b, name[2:].encode()) for b in binaries):
+        # the name as a C string of its own (tsl::Flag's literal), not the tail of another
+        if all(_binary_knows(b, b"\0" + name[2:].encode() + b"\0") for b in binaries):
             added.append(flag)
     return " ".join([xla_flags.strip(), *added]).strip()
 
