@@ -136,6 +136,56 @@ def test_program_flops_leave_with_the_executable():
     assert key not in metrics._program_flops
 
 
+_SPMD_STEP = """
+import json, sys
+import numpy as np
+import torch
+import torchacc
+from torchacc import metrics
+import torchacc.torch_xla.distributed.spmd as xs
+import torchacc.torch_xla.runtime as xr
+
+xr.use_spmd()
+dev = torchacc.device()
+torch.manual_seed(0)
+model = torch.nn.Linear(64, 64).to(dev)
+opt = torch.optim.SGD(model.parameters(), lr=0.1)
+x = torch.randn(256, 64).to(dev)
+xs.mark_sharding(x, xs.Mesh(np.arange(4), (4,), ("data",)), ("data", None))
+for _ in range(3):
+    opt.zero_grad()
+    model(x).square().mean().backward()
+    opt.step()
+    torchacc.sync()
+print("FLOPS", json.dumps(metrics.last_program_flops()))
+"""
+
+
+@pytest.mark.slow
+def test_spmd_step_flops_are_per_device():
+    """A step whose batch is split over 4 devices: its program's FLOPs are one device's share
+    (the matmuls / 4; the replicated update is small), what MFU per device divides."""
+    env = dict(os.environ, CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", _SPMD_STEP], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FLOPS "))
+    per_device = json.loads(line[6:])
+    dev = torchacc.device()
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).to(dev)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = torch.randn(256, 64).to(dev)
+    for _ in range(3):
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+        torchacc.sync()
+    whole = metrics.last_program_flops()
+    assert 3.8 < whole / per_device <= 4.0, (whole, per_device)
+
+
 # ----------------------------------------------------------------------------- XLA GPU flags
 def _fake_binaries(tmp_path, monkeypatch, text: bytes):
     plugin = tmp_path / "xla_cuda_plugin.so"
