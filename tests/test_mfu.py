@@ -343,3 +343,76 @@ def test_accelerate_page_reports_tokens_tflops_and_mfu():
     assert eager["tflops"] is None and eager["mfu"] is None  # no compiled program
     assert lazy["tflops"] > 0
     assert lazy["mfu"] == pytest.approx(lazy["tflops"] / 0.5)
+
+
+# ----------------------------------------------------------------------------- the launcher
+_COUNTS = ("MarkStep", "TransferFromDevice", "ReadSync")
+_LAUNCHES = ("UncachedCompile", "PersistentCacheHit", "CachedCompile")
+
+
+def test_launcher_logs_tokens_tflops_and_mfu_at_no_extra_sync_or_compile(
+    tmp_path, monkeypatch, capfd
+):
+    """The launcher's step log, [summary], --output JSON and TensorBoard show tokens/s, TFLOP/s
+    per device and MFU (--peak_tflops on the CPU); the same run without the FLOPs meter makes
+    the same syncs, reads and program launches."""
+    import re
+
+    from gallery_harness import read_tensorboard
+
+    import gallery.common.report as report
+    from gallery.common.launchlib import torchacc_launch
+
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1").items():
+        monkeypatch.setenv(k, v)
+    argv = ["--model", "gpt-tiny", "--batch_size", "8", "--seq_len", "32", "--max_steps", "4",
+            "--warmup_steps", "2", "--log_interval", "2", "--amp_level", "O0", "--compiler-opt",
+            "--peak_tflops", "0.01"]  # fmt: skip
+    counts = []
+    real_meter = report._flops_meter
+    for meter in (False, True):
+        monkeypatch.setattr(
+            report, "_flops_meter", real_meter if meter else lambda *a: (None, None)
+        )
+        metrics.clear_counters()
+        out = tmp_path / f"run{int(meter)}.json"
+        extra = ["--output", str(out)] + (["--tensorboard", str(tmp_path / "tb")] if meter else [])
+        torchacc_launch().main([*argv, *extra])
+        counts.append(
+            [metrics.counter_value(n) for n in _COUNTS]
+            + [sum(metrics.counter_value(n) or 0 for n in _LAUNCHES)]
+        )
+    assert counts[0] == counts[1], counts  # the meter adds no sync, read, compile or launch
+    log = capfd.readouterr()
+    text = log.out + log.err
+    line = re.compile(
+        r"step 4/4 .* samples/s \| [\d,]+ tokens/s \| [\d.e+-]+ TFLOP/s/device, MFU [\d.]+% \| "
+    )
+    assert line.search(text), text[-3000:]
+    assert re.search(r"\[summary\] .* tokens/s\), [\d.e+-]+ TFLOP/s/device, MFU [\d.]+%", text)
+
+    result = json.loads((tmp_path / "run1.json").read_text())
+    s = result["summary"]
+    step_flops = metrics.last_program_flops()
+    assert s["step_flops"] == pytest.approx(step_flops)  # the steady step's program
+    assert s["steady_tflops_per_device"] == pytest.approx(
+        step_flops / s["steady_step_time_s"] / 1e12, rel=1e-6
+    )
+    assert s["mfu"] == pytest.approx(s["steady_tflops_per_device"] / 0.01)
+    assert s["peak_tflops"] == 0.01
+    last = result["intervals"][-1]
+    assert last["tokens_per_sec"] == pytest.approx(last["samples_per_sec"] * 32)
+    assert last["tflops_per_device"] == pytest.approx(step_flops / last["batch_time"] / 1e12)
+    assert "tflops_per_device" not in json.loads((tmp_path / "run0.json").read_text())["summary"]
+    scalars, _ = read_tensorboard(tmp_path / "tb")
+    assert [p for p, _ in scalars["perf/mfu"]] == [2, 4]
+    assert scalars["perf/tflops_per_device"][-1][1] == pytest.approx(last["tflops_per_device"])
+    assert scalars["train/tokens_per_sec"][-1][1] == pytest.approx(last["tokens_per_sec"])
+
+
+def test_launcher_peak_tflops_must_be_positive():
+    from torchacc import launch_args
+
+    with pytest.raises(SystemExit):
+        launch_args.parse_args(["--peak_tflops", "0"])
+    assert launch_args.parse_args(["--peak_tflops", "989.4"]).peak_tflops == 989.4
