@@ -27,6 +27,7 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.plan",
             "torchacc_ops",
         ],
     ),
