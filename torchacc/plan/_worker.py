@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import sys
 import time
@@ -43,7 +44,6 @@ def compile_one(spec, req, layout, n_layer, devices):
         scan_layers=req["scan_layers"],
     )
     t_trace = time.perf_counter() - t0
-    run, n_in = pc.lower_to_jax(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     n_stage = math.prod(mesh_shape.values())
     grid = np.array(devices[:n_stage], dtype=object).reshape([mesh_shape[a] for a in pc.AXES])
@@ -53,6 +53,10 @@ def compile_one(spec, req, layout, n_layer, devices):
     data_axes = tuple(a for a in pc.DATA_AXES if mesh_shape[a] > 1) or None
     if data_axes and len(data_axes) == 1:
         data_axes = data_axes[0]
+    constrain = None
+    if req.get("constrain", True) and (data_axes or mesh_shape["cp"] > 1) and spec.kind == "lm":
+        constrain = pc.activation_constraint(mesh, data_axes, mesh_shape, batch, seq)
+    run, n_in = pc.lower_to_jax(gm, constrain)
 
     def spec_of(role, shape):
         kind, i = role
@@ -109,6 +113,10 @@ def compile_one(spec, req, layout, n_layer, devices):
     if isinstance(cost, list):
         cost = cost[0] if cost else {}
     hlo = exe.as_text()
+    dump = os.environ.get("TORCHACC_PLAN_DUMP_HLO")
+    if dump:
+        with open(f"{dump}.{n_layer}.hlo.txt", "w") as f:
+            f.write(hlo)
     ids = np.vectorize(lambda d: d.id)(grid)
     colls = pc.collectives(hlo, ids, pc.AXES)
     # per-device bytes of each role, from the input layouts (padding included)
@@ -153,7 +161,7 @@ def compile_one(spec, req, layout, n_layer, devices):
         collectives=colls,
         params=role_bytes.get("param", 0),
         grads=grad_bytes,
-        optimizer=role_bytes.get("m", 0) + role_bytes.get("v", 0) + role_bytes.get("count", 0),
+        optimizer=role_bytes.get("m", 0) + role_bytes.get("v", 0),  # (the step count: host)
         buffers=role_bytes.get("buffer", 0),
         batch=role_bytes.get("batch", 0),
         activations=act,

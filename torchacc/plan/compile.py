@@ -81,7 +81,7 @@ def _build(spec, n_layer, scan_layers, gc):
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
-        model = spec.build(n_layer, scan_layers)
+        model = spec.build(n_layer, False)  # scan_layers: Note [scan_layers in a plan]
     model.train()
     if gc:
         _checkpoint_blocks(model, spec)
@@ -244,10 +244,15 @@ def saved_activation_nodes(gm):
     return saved
 
 
-def lower_to_jax(gm):
+def lower_to_jax(gm, constrain=None):
     """The graph as one JAX function ``f(*inputs) -> outputs`` (positions of the graph's
-    placeholders and outputs); a :class:`PlanError` names any op without a lowering."""
+    placeholders and outputs); a :class:`PlanError` names any op without a lowering.
+    ``constrain(node, array) -> array``: applied to every node's result (sharding constraints
+    on activations, Note [Activation layout])."""
+    from torch import fx
+
     from torchacc.dynamo import lower
+    from torchacc.lowering.fx_calling import _eval_python, eval_rule
     from torchacc.plan.models import PlanError
 
     low = lower.Lowered(gm, name="plan")
@@ -257,18 +262,34 @@ def lower_to_jax(gm):
             f"programs, which the planner cannot size): {sorted(set(low.fallback_ops))}"
         )
     piece = low.pieces[0]
-    fn = piece.function(())
-    seg = piece.seg
-    graph = low.gm.graph if hasattr(low, "gm") else gm.graph
+    seg, consts = piece.seg, piece.consts
     placeholders = low.placeholders
     pos = {n: i for i, n in enumerate(placeholders)}
     in_idx = [pos[n] for n in seg.inputs]
     outs = low.outs
     out_pos = {n: i for i, n in enumerate(seg.outputs)}
-    del graph
+
+    def fn(*arrays):  # JaxPiece.function's loop, with the constraint hook
+        env = dict(consts)
+        for n, i in zip(seg.inputs, in_idx):
+            env[n] = arrays[i]
+        keys = [None]
+        for node in seg.nodes:
+            rule = lower._rule_of(node)
+            if rule is None:
+                env[node] = _eval_python(node, env)
+                continue
+            args = fx.node.map_arg(node.args, env.__getitem__)
+            kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            val = eval_rule(node, rule, args, kwargs, keys)
+            env[node] = constrain(node, val) if constrain is not None else val
+        return [env[n] for n in seg.outputs]
+
+    if piece.rng:
+        raise PlanError("the step draws random numbers (dropout > 0?): plan it with dropout 0")
 
     def run(*arrays):
-        res = fn(None, *[arrays[i] for i in in_idx])
+        res = fn(*arrays)
         vals = []
         for o in outs:
             if o in out_pos:
@@ -282,12 +303,36 @@ def lower_to_jax(gm):
     return run, len(placeholders)
 
 
+def activation_constraint(mesh, data_axes, mesh_shape, batch, seq):
+    """Note [Activation layout]: every activation whose dim 0 is the batch stays split over the
+    data axes (and dim 1, the sequence, over cp), as torchacc's FSDP front doors constrain each
+    wrapped module's inputs and outputs (``distributed/fsdp.py`` ``shard_batch``); the other
+    dimensions are left to XLA."""
+    import jax
+
+    P = jax.sharding.PartitionSpec
+    U = P.UNCONSTRAINED
+    cp = mesh_shape["cp"] > 1
+
+    def constrain(node, val):
+        if not isinstance(val, jax.Array) and not hasattr(val, "aval"):
+            return val
+        shape = getattr(val, "shape", ())
+        if len(shape) < 2 or shape[0] != batch:
+            return val
+        spec = [data_axes] + [U] * (len(shape) - 1)
+        if cp and shape[1] == seq:
+            spec[1] = "cp"
+        sh = jax.sharding.NamedSharding(mesh, P(*spec))
+        return jax.lax.with_sharding_constraint(val, sh)
+
+    return constrain
+
+
 # -- HLO collectives ----------------------------------------------------------------------------
 
-_COLL = re.compile(
-    r"=\s*(?P<shape>\([^=]*?\)|\S+)\s+(?P<op>all-reduce|all-gather|reduce-scatter|all-to-all|"
-    r"collective-permute)(?P<start>-start)?\((?P<args>[^\n]*)"
-)
+_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
+_OP_RE = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<rest>.*)$")
 _DT = {
     "f32": 4, "bf16": 2, "f16": 2, "f64": 8, "s32": 4, "u32": 4, "s64": 8, "u64": 8, "s8": 1,
     "u8": 1, "pred": 1, "s16": 2, "u16": 2,
@@ -303,7 +348,54 @@ def _shape_bytes(text):
     return total
 
 
+def _balanced(text, start):
+    """End index (exclusive) of the bracketed group opening at ``text[start]``."""
+    pairs = {"(": ")", "[": "]", "{": "}"}
+    stack = []
+    for i in range(start, len(text)):
+        ch = text[i]
+        if ch in pairs:
+            stack.append(pairs[ch])
+        elif stack and ch == stack[-1]:
+            stack.pop()
+            if not stack:
+                return i + 1
+    return len(text)
+
+
+def _parse_instruction(line):
+    """(result shape text, op, operands text, attributes text) of an HLO collective line."""
+    m = _OP_RE.match(line)
+    if not m:
+        return None
+    rest = m.group("rest")
+    if rest.startswith("("):
+        end = _balanced(rest, 0)
+    else:
+        end = rest.find(" ")
+        end = len(rest) if end < 0 else end
+    shape, tail = rest[:end], rest[end:].lstrip()
+    for op in _OPS:
+        for name in (op, op + "-start"):
+            if tail.startswith(name + "("):
+                close = _balanced(tail, len(name))
+                return shape, name, tail[len(name) + 1 : close - 1], tail[close:]
+    return None
+
+
 def _groups(args, n_devices):
+    m = re.search(r"replica_groups=mesh\[([^\]]*)\](?:T\(([\d,]+)\))?\s*\{([^}]*)\}", args)
+    if m:  # XLA's mesh form: mesh['a'=2,'b'=2] {'b'}: devices varying along the named axes
+        dims = re.findall(r"'([^']+)'=(\d+)", m.group(1))
+        names = [d[0] for d in dims]
+        ids = np.arange(math.prod(int(d[1]) for d in dims)).reshape([int(d[1]) for d in dims])
+        if m.group(2):
+            ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+        chosen = [names.index(x) for x in re.findall(r"'([^']+)'", m.group(3))]
+        rest = [i for i in range(len(names)) if i not in chosen]
+        ids = ids.transpose(rest + chosen)
+        size = math.prod(ids.shape[len(rest) :]) if chosen else 1
+        return ids.reshape(-1, size).tolist()
     m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", args)
     if m:
         g, s = int(m.group(1)), int(m.group(2))
@@ -330,27 +422,33 @@ def collectives(hlo_text, device_grid, axis_names):
     device; ``axes``: the mesh axes along which its replica group's devices differ."""
     coords = {int(d): np.argwhere(device_grid == d)[0] for d in device_grid.flat}
     out = []
-    for m in _COLL.finditer(hlo_text):
-        op, args, shape = m.group("op"), m.group("args"), m.group("shape")
-        if m.group("start") and op != "collective-permute":
-            # async start: (operands..., results...) tuple for all-gather; take the last half
-            nbytes = _shape_bytes(shape)
-            if op in ("all-gather",) and shape.startswith("("):
-                parts = _split_tuple(shape)
-                nbytes = _shape_bytes(parts[-1]) if parts else nbytes
-        elif op == "collective-permute" and shape.startswith("("):
+    for line in hlo_text.splitlines():
+        if not any(op in line for op in _OPS):
+            continue
+        parsed = _parse_instruction(line)
+        if parsed is None:
+            continue
+        shape, op, operands, attrs = parsed
+        start = op.endswith("-start")
+        op = op.removesuffix("-start")
+        if op == "reduce-scatter":
+            nbytes = _shape_bytes(operands)  # the operand (its result is 1/n of it)
+        elif start and shape.startswith("("):
+            # async start: (operands, results[, contexts]); the results are the second part
             parts = _split_tuple(shape)
-            nbytes = _shape_bytes(parts[0]) if parts else _shape_bytes(shape)
+            nbytes = _shape_bytes(parts[1] if len(parts) > 1 else parts[0])
         else:
             nbytes = _shape_bytes(shape)
-        if op == "reduce-scatter":
-            nbytes = _operand_bytes(args) or nbytes
-        groups = _groups(args, len(coords))
+        groups = _groups(attrs, len(coords))
         grp = groups[0]
         varying = set()
         for d in grp[1:]:
             diff = coords[d] != coords[grp[0]]
             varying.update(int(i) for i in np.nonzero(diff)[0])
+        if op == "collective-permute":
+            for a, b in groups:
+                diff = coords[b] != coords[a]
+                varying.update(int(i) for i in np.nonzero(diff)[0])
         axes = tuple(axis_names[i] for i in sorted(varying))
         if not axes:
             continue
@@ -374,7 +472,3 @@ def _split_tuple(shape):
     if cur.strip():
         parts.append(cur)
     return parts
-
-
-def _operand_bytes(args):
-    return _shape_bytes(args.split("),")[0]) if "[" in args.split(")")[0] else 0
