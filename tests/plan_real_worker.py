@@ -1,12 +1,12 @@
 """A real torchacc SPMD training step on 4 CPU devices, measured the way the planner reports it
 (run by tests/test_plan.py in a fresh process with CPU_NUM_DEVICES=4).
 
-Argument: JSON {model, batch_size, seq_len, mesh: {dp, fsdp, cp, tp}, optimizer}. Lays the model
-out with the planner's partition specs (``torchacc.plan.compile.param_spec``) through torch_xla's
-``mark_sharding``, trains 3 steps with ``torch.optim.AdamW`` on the torchacc device, and prints
-one JSON line: per-device bytes of parameters / gradients / optimizer state
-(``distributed.sharding.memory_report``), the step program's memory analysis, and its
-collectives per mesh axis (parsed from its HLO with the planner's parser).
+Argument: a JSON list of {model, batch_size, seq_len, mesh: {dp, fsdp, cp, tp}, optimizer}. Each
+model is laid out with the planner's partition specs (``torchacc.plan.compile.param_spec``)
+through torch_xla's ``mark_sharding`` and trained 3 steps with ``torch.optim`` on the torchacc
+device; one JSON line per case: per-device bytes of parameters / gradients / optimizer state
+(``distributed.sharding.memory_report``), the steady step program's memory analysis, and its
+collectives (parsed from its HLO with the planner's parser).
 """
 
 import json
@@ -28,8 +28,13 @@ from torchacc.program import cache  # noqa: E402
 
 
 def main():
-    req = json.loads(sys.argv[1])
+    reqs = json.loads(sys.argv[1])
     xr.use_spmd()
+    for req in reqs if isinstance(reqs, list) else [reqs]:
+        run(req)
+
+
+def run(req):
     dev = torchacc.device()
     spec = resolve(req["model"])
     torch.manual_seed(0)

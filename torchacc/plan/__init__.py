@@ -269,73 +269,106 @@ def plan(
     )[0]  # fmt: skip
 
 
+def plan_batch(jobs, devices=None, gpus_per_node=8, device="h100-sxm", progress=None):
+    """Plan several (model, layout) jobs in one worker process: ``jobs`` is a list of dicts of
+    :func:`plan`'s keyword arguments (``model``, ``batch_size``, ``seq_len``, ``mesh``,
+    ``precision``, ``optimizer``, ``gc``, ``scan_layers``, ``memory``, ``microbatches``,
+    ``full_depth``); returns their :class:`Plan` s in order."""
+    prepared = [
+        _prepare(
+            j["model"], j["batch_size"], j.get("seq_len"), j.get("mesh"),
+            j.get("precision", "bf16"), j.get("optimizer", "adamw"), j.get("gc", False),
+            j.get("scan_layers", False), j.get("device", device), devices,
+            j.get("gpus_per_node", gpus_per_node), j.get("memory"), j.get("microbatches"),
+            j.get("full_depth", False),
+        )
+        for j in jobs
+    ]  # fmt: skip
+    return _run(prepared, progress)
+
+
 def _plan_many(
     model, batch_size, seq_len, meshes, precision, optimizer, gc, scan_layers, device, devices,
     gpus_per_node, memory, microbatches, full_depth, progress,
 ):  # fmt: skip
+    prepared = [
+        _prepare(
+            model, batch_size, seq_len, mesh, precision, optimizer, gc, scan_layers, device,
+            devices, gpus_per_node, memory, microbatches, full_depth,
+        )
+        for mesh in meshes
+    ]  # fmt: skip
+    return _run(prepared, progress)
+
+
+def _prepare(
+    model, batch_size, seq_len, mesh, precision, optimizer, gc, scan_layers, device, devices,
+    gpus_per_node, memory, microbatches, full_depth,
+):  # fmt: skip
+    """Validate one job (every bad value a PlanError naming it); the worker's request."""
     spec = resolve(model)
     acc = _accelerator(device)
     if precision not in PRECISIONS:
         raise PlanError(f"precision {precision!r}: known {', '.join(PRECISIONS)}")
     if optimizer not in OPTIMIZERS:
         raise PlanError(f"optimizer {optimizer!r}: known {', '.join(OPTIMIZERS)}")
-    if not isinstance(batch_size, int) or batch_size < 1:
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise PlanError(f"batch_size {batch_size!r} must be a positive whole number")
     if not isinstance(gpus_per_node, int) or gpus_per_node < 1:
         raise PlanError(f"gpus_per_node {gpus_per_node!r} must be a positive whole number")
     if seq_len is None:
         seq_len = spec.max_seq or 0
     limit = parse_bytes(memory) if memory is not None else None
-    layouts, micro = [], []
-    n_total = None
-    for mesh in meshes:
-        m = parse_mesh(mesh if mesh is not None else {"fsdp": devices or 1})
-        n = math.prod(m.values())
-        if devices is not None and n != devices:
-            _check_layout(spec, m, devices, batch_size, seq_len, 1)
-        mb = microbatches if m["pp"] > 1 and microbatches else (2 * m["pp"] if m["pp"] > 1 else 1)
-        _check_layout(spec, m, n, batch_size, seq_len, mb)
-        layouts.append(m)
-        micro.append(mb)
-        n_total = max(n_total or 0, n)
-    depth_of = []
-    for m in layouts:
-        L = spec.n_layer
-        stage_layers = L // m["pp"] if L else None
-        if stage_layers and not full_depth and stage_layers > FULL_DEPTH_MAX:
-            depth_of.append([1, 2])
-        else:
-            depth_of.append([stage_layers] if stage_layers else [None])
-    compiled_layers = sum(sum(d or 1 for d in ds) for ds in depth_of)
+    m = parse_mesh(mesh if mesh is not None else {"fsdp": devices or 1})
+    n = math.prod(m.values())
+    if devices is not None and n != devices:
+        _check_layout(spec, m, devices, batch_size, seq_len, 1)
+    mb = (microbatches or 2 * m["pp"]) if m["pp"] > 1 else 1
+    _check_layout(spec, m, n, batch_size, seq_len, mb)
+    stage_layers = spec.n_layer // m["pp"] if spec.n_layer else None
+    if stage_layers and not full_depth and stage_layers > FULL_DEPTH_MAX:
+        depths = [1, 2]
+    else:
+        depths = [stage_layers] if stage_layers else [None]
+    req = dict(
+        model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
+        optimizer=optimizer, gc=bool(gc), scan_layers=bool(scan_layers), microbatches=mb,
+        layout={a: m[a] for a in ("dp", "fsdp", "cp", "tp", "pp")}, depths=depths,
+    )  # fmt: skip
+    ctx = dict(
+        spec=spec, acc=acc, mesh=m, micro=mb, depths=depths, gpus_per_node=gpus_per_node,
+        limit=limit, devices=n, device=device,
+    )  # fmt: skip
+    return req, ctx
+
+
+def _run(prepared, progress):
+    n_total = max(ctx["devices"] for _, ctx in prepared)
+    compiled_layers = sum(sum(d or 1 for d in req["depths"]) for req, _ in prepared)
     need = host_estimate(compiled_layers, n_total)
     have = _host_memory()
     if have is not None and need > have:
+        names = sorted({ctx["spec"].name for _, ctx in prepared})
         raise PlanError(
-            f"planning {spec.name} on {n_total} devices needs about {need / GiB:.1f} GiB of host "
-            f"memory (compiling {compiled_layers} layers), but this machine has "
-            f"{have / GiB:.1f} GiB available; drop full_depth / --full-depth (compile 2 layers "
-            "and extrapolate) or plan on a larger machine"
+            f"planning {', '.join(names)} on {n_total} devices needs about {need / GiB:.1f} GiB "
+            f"of host memory (compiling {compiled_layers} layers), but this machine has "
+            f"{have / GiB:.1f} GiB available; drop full_depth / --full-depth (compile 1 and 2 "
+            "layers and extrapolate) or plan on a larger machine"
         )
-    req = dict(
-        model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
-        optimizer=optimizer, gc=bool(gc), scan_layers=bool(scan_layers), microbatches=1,
-        layouts=[],
-    )  # fmt: skip
-    results = []
-    for i, (m, mb, depths) in enumerate(zip(layouts, micro, depth_of)):
-        stage = dict(m)
-        stage["_depths"] = depths
-        r = dict(req, microbatches=mb, layouts=[stage])
-        raws = _run_worker(r, n_total, progress, f"{i + 1}/{len(layouts)}")
-        results.append(
+    raws = _run_worker([req for req, _ in prepared], n_total, progress)
+    plans = []
+    for j, (req, ctx) in enumerate(prepared):
+        mine = [r for r in raws if r["job"] == j]
+        plans.append(
             roofline.assemble(
-                spec, r, m, mb, raws, depths, acc, gpus_per_node, limit, n_total, device
+                ctx["spec"], req, ctx["mesh"], ctx["micro"], mine, ctx["depths"], ctx["acc"],
+                ctx["gpus_per_node"], ctx["limit"], ctx["devices"], ctx["device"],
             )
-        )
-    return results
+        )  # fmt: skip
+    return plans
 
 
-def _run_worker(req, n_devices, progress, label):
+def _run_worker(jobs, n_devices, progress):
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "")
     flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
@@ -349,7 +382,7 @@ def _run_worker(req, n_devices, progress, label):
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
         text=True,
     )  # fmt: skip
-    proc.stdin.write(json.dumps(req))
+    proc.stdin.write(json.dumps({"jobs": jobs}))
     proc.stdin.close()
     err_lines = []
     start = time.perf_counter()
@@ -388,7 +421,7 @@ def _run_worker(req, n_devices, progress, label):
         hint = ""
         if proc.returncode in (-9, 137):
             hint = " (killed: out of host memory?)"
-        raise PlanError(f"the planner's compile of layout {label} failed{hint}:\n{tail}")
+        raise PlanError(f"the planner's compile failed{hint}:\n{tail}")
     return raws
 
 

@@ -176,26 +176,27 @@ def compile_one(spec, req, layout, n_layer, devices):
 
 
 def main():
-    req = json.loads(sys.stdin.read())
+    request = json.loads(sys.stdin.read())
     import jax
 
     from torchacc.plan.models import PlanError, resolve
 
     out = sys.stdout
+    jobs = request["jobs"]
     try:
-        spec = resolve(req["model"])
         devices = jax.devices()
-        for li, layout in enumerate(req["layouts"]):
-            depths = layout.pop("_depths")
+        for j, req in enumerate(jobs):
+            spec = resolve(req["model"])
+            layout = dict(req["layout"])
+            depths = req["depths"]
             for k, depth in enumerate(depths):
                 _progress(
-                    f"layout {li + 1}/{len(req['layouts'])} "
-                    f"{','.join(f'{a}={layout[a]}' for a in layout)}: compiling "
-                    f"{'all ' if depth is None else ''}{depth or spec.n_layer or ''} layers "
-                    f"({k + 1}/{len(depths)})"
+                    f"{req['model']} {j + 1}/{len(jobs)} "
+                    f"{','.join(f'{a}={layout[a]}' for a in layout if layout[a] > 1) or 'dp=1'}: "
+                    f"compiling {depth or spec.n_layer or ''} layers ({k + 1}/{len(depths)})"
                 )
                 r = compile_one(spec, req, layout, depth, devices)
-                r["layout_index"] = li
+                r["job"] = j
                 r["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 out.write(json.dumps(r) + "\n")
                 out.flush()

@@ -20,7 +20,7 @@ def _extrapolate(raws, depths, target):
     out = {}
     for key, va in a.items():
         vb = b[key]
-        if isinstance(va, (int, float)) and not isinstance(va, bool) and key != "layout_index":
+        if isinstance(va, (int, float)) and not isinstance(va, bool) and key != "job":
             v = va + (vb - va) * k / span
             out[key] = int(round(v)) if isinstance(va, int) else v
         else:

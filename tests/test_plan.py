@@ -1,0 +1,168 @@
+"""torchacc.plan: the planned step against a real torchacc SPMD step on 4 CPU devices, the analytic
+state bytes, and bad input (docs/plan.md).
+
+The real step (tests/plan_real_worker.py) and the plans run in fresh processes (the device count
+must be set before JAX starts); each process handles every case at once to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torchacc.plan as tp
+from torchacc.plan import compile as pc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# (model, mesh) run for real and planned: the gallery GPT (its CPU config) and LLaMA-tiny
+CASES = [
+    ("llama-tiny", {"dp": 4}),
+    ("llama-tiny", {"fsdp": 4}),
+    ("llama-tiny", {"tp": 4}),
+    ("gpt-tiny", {"fsdp": 4}),
+]
+BATCH, SEQ = 8, 64
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def real_steps():
+    req = [
+        {"model": m, "batch_size": BATCH, "seq_len": SEQ, "mesh": mesh, "optimizer": "adamw"}
+        for m, mesh in CASES
+    ]
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HERE, "plan_real_worker.py"), json.dumps(req)],
+        env=_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = [json.loads(x[len("PLAN_REAL ") :]) for x in proc.stdout.splitlines() if "PLAN_REAL" in x]
+    assert len(out) == len(CASES), proc.stdout[-2000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def plans():
+    jobs = [
+        {"model": m, "mesh": mesh, "batch_size": BATCH, "seq_len": SEQ, "precision": "fp32"}
+        for m, mesh in CASES
+    ]
+    return tp.plan_batch(jobs, devices=4, progress=lambda line: None)
+
+
+def _per_axis(colls):
+    t = collections.Counter()
+    for _op, nbytes, axes, *_ in colls:
+        t["+".join(axes)] += nbytes
+    return dict(t)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=[f"{m}-{list(x)[0]}" for m, x in CASES])
+def test_plan_matches_a_real_spmd_step(i, real_steps, plans):
+    real, p = real_steps[i], plans[i]
+    # parameters, gradients and optimizer state: the real run's device bytes, exactly
+    assert p.parameters == real["parameters"]
+    assert p.gradients == real["gradients"]
+    assert p.optimizer_state == real["optimizer_state"]
+    # ... and the analytic count: every tensor's shard (padding included) in fp32
+    spec = tp.resolve(CASES[i][0])
+    model = spec.build(None, False)
+    mesh = {a: CASES[i][1].get(a, 1) for a in pc.AXES}
+    analytic = sum(
+        pc.shard_bytes(tuple(q.shape), pc.param_spec(n, tuple(q.shape), mesh), mesh, 4)
+        for n, q in model.named_parameters()
+    )
+    assert p.parameters == analytic and p.optimizer_state == 2 * analytic
+    assert p.n_params == sum(q.numel() for q in model.parameters())
+    # the whole step's bytes per device within 10% of the real step's program
+    total = real["argument"] + real["output"] - real["alias"] + real["temp"]
+    assert abs(p.total - total) <= 0.10 * total, (p.total, total, real, p)
+    # collective bytes per mesh axis: the real step's compiled program's
+    got, want = p.collective_bytes, _per_axis(real["collectives"])
+    assert got.keys() == want.keys(), (got, want)
+    for axis in want:
+        assert abs(got[axis] - want[axis]) <= 0.01 * want[axis] + 64, (axis, got, want)
+
+
+def test_padding_is_counted():
+    mesh = {"dp": 1, "fsdp": 3, "cp": 1, "tp": 1}
+    spec = pc.param_spec("layers.0.mlp.up_proj.weight", (176, 64), mesh)
+    assert spec == ("fsdp", None)
+    assert pc.shard_bytes((176, 64), spec, mesh, 4) == math.ceil(176 / 3) * 64 * 4
+
+
+def test_help_says_batch_size_is_global():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchacc.plan", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "GLOBAL batch of one optimizer step" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(mesh="fsdp=2,tp=2", devices=8), "has 4 devices"),
+        (dict(mesh="tp=3"), "tp=3 does not divide llama-tiny's 4 heads"),
+        (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
+        (dict(model="llama-99b"), "unknown model 'llama-99b'"),
+        (dict(device="h900"), "unknown accelerator 'h900'"),
+        (dict(memory="eighty gigs"), "memory 'eighty gigs' is not a size"),
+        (dict(mesh="fsdp=two"), "fsdp='two'"),
+        (dict(mesh="zz=2"), "mesh axis 'zz'"),
+        (dict(batch_size=6, mesh="fsdp=4"), "batch_size 6"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, needle):
+    args = dict(model="llama-tiny", batch_size=8, seq_len=64, mesh="fsdp=4")
+    args.update(kwargs)
+    with pytest.raises(tp.PlanError) as e:
+        tp.plan(**args, progress=lambda line: None)
+    assert needle in str(e.value)
+
+
+def test_not_enough_host_memory_says_so(monkeypatch):
+    monkeypatch.setenv("TORCHACC_PLAN_HOST_MEMORY", "200MiB")
+    with pytest.raises(tp.PlanError) as e:
+        tp.plan("llama-7b", 64, 4096, "fsdp=64", progress=lambda line: None)
+    msg = str(e.value)
+    assert "needs about" in msg and "GiB of host memory" in msg and "0.2 GiB available" in msg
+
+
+def test_cli_error_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchacc.plan", "--model", "llama-tiny", "--batch_size", "8",
+         "--mesh", "fsdp=3", "--devices", "4"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("torchacc.plan: error: mesh dp=1,fsdp=3")
+    assert "Traceback" not in proc.stderr
