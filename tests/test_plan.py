@@ -59,12 +59,30 @@ def real_steps():
 
 
 @pytest.fixture(scope="module")
-def plans():
-    jobs = [
-        {"model": m, "mesh": mesh, "batch_size": BATCH, "seq_len": SEQ, "precision": "fp32"}
+def all_plans(monkeypatch_module):
+    """The CASES' plans, then gpt-mini (4 layers) compiled whole and extrapolated from 1 and 2
+    layers, in one worker process."""
+    prepared = [
+        tp._prepare(m, BATCH, SEQ, mesh, "fp32", "adamw", False, False, "h100-sxm", 4, 8, None,
+                    None, False)
         for m, mesh in CASES
-    ]
-    return tp.plan_batch(jobs, devices=4, progress=lambda line: None)
+    ]  # fmt: skip
+    mini = ("gpt-mini", BATCH, SEQ, "fsdp=4", "bf16", "adamw", False, False, "h100-sxm", 4, 8)
+    prepared.append(tp._prepare(*mini, None, None, True))
+    monkeypatch_module.setattr(tp, "FULL_DEPTH_MAX", 1)
+    prepared.append(tp._prepare(*mini, None, None, False))
+    return tp._run(prepared, progress=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def plans(all_plans):
+    return all_plans[: len(CASES)]
 
 
 def _per_axis(colls):
@@ -100,6 +118,19 @@ def test_plan_matches_a_real_spmd_step(i, real_steps, plans):
     assert got.keys() == want.keys(), (got, want)
     for axis in want:
         assert abs(got[axis] - want[axis]) <= 0.01 * want[axis] + 64, (axis, got, want)
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_matches_the_whole_model(all_plans):
+    whole, extra = all_plans[-2], all_plans[-1]
+    assert whole.extrapolated_from is None and extra.extrapolated_from == [1, 2]
+    for field in ("parameters", "gradients", "optimizer_state", "n_params"):
+        assert getattr(extra, field) == getattr(whole, field), field
+    assert extra.collective_bytes.keys() == whole.collective_bytes.keys()
+    for axis, nbytes in whole.collective_bytes.items():
+        assert abs(extra.collective_bytes[axis] - nbytes) <= 0.02 * nbytes, axis
+    assert abs(extra.flops - whole.flops) <= 0.02 * whole.flops
+    assert abs(extra.total - whole.total) <= 0.10 * whole.total, (extra.total, whole.total)
 
 
 def test_padding_is_counted():

@@ -100,7 +100,7 @@ def _checkpoint_blocks(model, spec):
         fwd = b.forward
 
         def run(*a, _f=fwd, **k):
-            return cp.checkpoint(_f, *a, use_reentrant=False, **k)
+            return cp.checkpoint(_f, *a, use_reentrant=False, preserve_rng_state=False, **k)
 
         b.forward = run
 
@@ -119,6 +119,7 @@ def make_batch(spec, fake, batch, seq):
 def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
     """The functionalized FX graph of one training step and the roles of its inputs/outputs."""
     from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.nn.utils import stateless
 
     from torchacc.dynamo.aot import decompositions
 
@@ -149,11 +150,15 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
         x, y = flat[n_p + n_m + n_v + 1 + n_b :]
         ps = [p.detach().requires_grad_(True) for p in ps]
         state = {**dict(zip(names, ps)), **dict(zip(bnames, bufs))}
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            out = torch.func.functional_call(model, state, (x,), tie_weights=True)
-        out = out.float()
-        loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-        grads = torch.autograd.grad(loss, ps)
+        # the substitution spans the backward too: gc's recompute reads the module's weights
+        with stateless._reparametrize_module(model, state, tie_weights=True):
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+                out = model(x)
+            out = out.float()
+            loss = torch.nn.functional.cross_entropy(
+                out.reshape(-1, out.shape[-1]), y.reshape(-1)
+            )
+            grads = torch.autograd.grad(loss, ps)
         new_p, new_m, new_v = [], [], []
         t = t + 1
         lr, wd = 1e-4, 0.1
