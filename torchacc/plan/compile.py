@@ -155,9 +155,7 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
                 out = model(x)
             out = out.float()
-            loss = torch.nn.functional.cross_entropy(
-                out.reshape(-1, out.shape[-1]), y.reshape(-1)
-            )
+            loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
             grads = torch.autograd.grad(loss, ps)
         new_p, new_m, new_v = [], [], []
         t = t + 1
@@ -217,6 +215,17 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
     return gm, roles_in, roles_out, info
 
 
+_T = (torch.ops.aten.t_copy.default, torch.ops.aten.t.default)
+_SAME = (torch.ops.aten.detach_copy.default, torch.ops.aten.detach.default)
+
+
+def _origin(node):
+    """The value ``node`` is a detached copy of (through any chain of detaches)."""
+    while getattr(node, "target", None) in _SAME:
+        node = node.args[0]
+    return node
+
+
 def _embedding_params(model):
     """Input-embedding table elements not shared with a Linear (excluded from 6N)."""
     linear = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Linear)}
@@ -249,11 +258,13 @@ def saved_activation_nodes(gm):
     return saved
 
 
-def lower_to_jax(gm, constrain=None):
+def lower_to_jax(gm, constrain=None, gathered=None):
     """The graph as one JAX function ``f(*inputs) -> outputs`` (positions of the graph's
     placeholders and outputs); a :class:`PlanError` names any op without a lowering.
     ``constrain(node, array) -> array``: applied to every node's result (sharding constraints
-    on activations, Note [Activation layout])."""
+    on activations, Note [Activation layout]). ``gathered``: {placeholder index: sharding} of
+    the FSDP weights, gathered where the forward transposes them (Note [Gathered weights])."""
+    import jax
     from torch import fx
 
     from torchacc.dynamo import lower
@@ -286,6 +297,9 @@ def lower_to_jax(gm, constrain=None):
                 continue
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
+            if gathered and node.target in _T and pos.get(_origin(node.args[0])) in gathered:
+                sharding = gathered[pos[_origin(node.args[0])]]
+                args = (jax.lax.with_sharding_constraint(args[0], sharding),)
             val = eval_rule(node, rule, args, kwargs, keys)
             env[node] = constrain(node, val) if constrain is not None else val
         return [env[n] for n in seg.outputs]
@@ -306,6 +320,14 @@ def lower_to_jax(gm, constrain=None):
         return vals
 
     return run, len(placeholders)
+
+
+# Note [Gathered weights]
+# Autograd's linear is ``mm(x, t(w))`` forward and ``mm(g, t(t(w)))`` backward. Left alone, XLA's
+# partitioner all-gathers an FSDP-sharded ``w`` and, separately, its transpose; the lazy
+# frontend's program (whose linear backward reads ``w`` itself) gathers each weight once and keeps
+# it for the backward. The planner constrains the weight to its layout without the fsdp axis where
+# the forward transposes it, so the one gather serves both, as in a real run.
 
 
 def activation_constraint(mesh, data_axes, mesh_shape, batch, seq):
