@@ -187,6 +187,7 @@ def main():
     request = json.loads(sys.stdin.read())
     import jax
 
+    from torchacc.plan import compile as pc
     from torchacc.plan.models import PlanError, resolve
 
     out = sys.stdout
@@ -195,6 +196,7 @@ def main():
         devices = jax.devices()
         for j, req in enumerate(jobs):
             spec = resolve(req["model"])
+            full_params, full_embed = pc.count_params(spec)
             layout = dict(req["layout"])
             depths = req["depths"]
             for k, depth in enumerate(depths):
@@ -205,6 +207,7 @@ def main():
                 )
                 r = compile_one(spec, req, layout, depth, devices)
                 r["job"] = j
+                r["full_params"], r["full_embed_params"] = full_params, full_embed
                 r["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
                 out.write(json.dumps(r) + "\n")
                 out.flush()

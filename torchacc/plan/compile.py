@@ -76,6 +76,12 @@ def shard_bytes(shape, spec, mesh_shape, itemsize):
     return math.prod(p) // k * itemsize
 
 
+def count_params(spec):
+    """(parameters, input-embedding parameters) of the whole model, built on fake tensors."""
+    model, _ = _build(spec, None, False, False)
+    return sum(p.numel() for p in model.parameters()), _embedding_params(model)
+
+
 def _build(spec, n_layer, scan_layers, gc):
     from torch._subclasses.fake_tensor import FakeTensorMode
 

@@ -103,11 +103,9 @@ def assemble(spec, req, mesh, micro, raws, depths, acc, gpus_per_node, limit, n_
     bubble = (micro + pp - 1) / micro if pp > 1 else 1.0
     step = max(t_compute, t_mem) * bubble + sum(coll_time.values())
     tokens = req["batch_size"] * (req["seq_len"] if spec.kind == "lm" else 1)
-    n_params = r["n_params"]
-    if pp > 1:  # a stage holds L/pp layers: the whole model has pp stages' layers
-        n_params = _full_params(raws, depths, spec.n_layer)
+    n_params = raws[0]["full_params"]  # the whole model (a pp stage holds L/pp layers)
     if spec.kind == "lm" and spec.n_layer and spec.d_model:
-        n_flop_params = n_params - (r.get("embed_params") or 0)
+        n_flop_params = n_params - raws[0]["full_embed_params"]
         model_flops = 6 * n_flop_params + 12 * spec.n_layer * spec.d_model * req["seq_len"]
         model_flops *= tokens
     else:
@@ -131,13 +129,6 @@ def assemble(spec, req, mesh, micro, raws, depths, acc, gpus_per_node, limit, n_
         compile_s=r["compile_s"] + r["trace_s"],
         host_peak_bytes=max(x.get("peak_rss", 0) for x in raws),
     )  # fmt: skip
-
-
-def _full_params(raws, depths, n_layer):
-    if len(raws) == 1:
-        return raws[0]["n_params"] * 1
-    a, b = raws[0]["n_params"], raws[1]["n_params"]
-    return a + (b - a) * (n_layer - depths[0]) / (depths[1] - depths[0])
 
 
 def _fmt_bytes(n):
