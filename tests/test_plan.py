@@ -197,3 +197,23 @@ def test_cli_error_is_one_line():
     assert proc.returncode == 2
     assert proc.stderr.strip().startswith("torchacc.plan: error: mesh dp=1,fsdp=3")
     assert "Traceback" not in proc.stderr
+
+
+def test_search_candidates_respect_the_model():
+    spec = tp.resolve("llama-7b")
+    cands = tp.candidate_layouts(spec, 64, 64, 4096, 8)
+    assert {"dp": 1, "fsdp": 64, "tp": 1, "pp": 1, "cp": 1} in cands
+    for m in cands:
+        assert math.prod(m.values()) == 64
+        assert m["tp"] <= 8 and 32 % m["tp"] == 0 and 32 % m["pp"] == 0
+        assert 64 % (m["dp"] * m["fsdp"]) == 0
+
+
+@pytest.mark.slow
+def test_search_ranks_the_layouts_that_fit():
+    plans = tp.search(
+        "gpt-tiny", 4, 8, 64, memory="64MiB", precision="fp32", top=2, progress=lambda line: None
+    )
+    assert len(plans) == 2 and all(p.fits for p in plans)
+    assert plans[0].step_time <= plans[1].step_time
+    assert all(math.prod(p.mesh.values()) == 4 for p in plans)

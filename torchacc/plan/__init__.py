@@ -22,14 +22,22 @@ their ring-algorithm bytes / link bandwidth`` (no overlap of communication with 
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
 network). XLA:CPU's fusion differs from XLA:GPU's, so bytes accessed is the CPU compiler's count.
 
+Note [scan_layers in a plan]
+``scan_layers`` is recorded in the plan, and the planned program runs the layers as the unrolled
+loop: the gallery's ``ScannedLayers`` runs the same blocks with the same weights (stacked), so
+the step's bytes, FLOPs and collectives are those of the loop up to XLA's scheduling; what scan
+buys a real run (a compile flat in depth) the planner gets from depth extrapolation.
+
 Note [Layouts]
 The mesh of one pipeline stage has axes (dp, fsdp, cp, tp), tp innermost (devices numbered
 row-major, pp outermost). dp and fsdp split the batch (dim 0); cp splits the sequence (dim 1);
 fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec, distributed/fsdp.py) and
 its gradient and optimizer state alike; tp splits Megatron pairs: column layers (q/k/v, gate/up,
 c_attn, c_fc, lm_head; and the token embedding) on dim 0, row layers (o_proj, down_proj,
-c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp left. XLA's partitioner inserts
-every collective, as in a real SPMD run.
+c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp left. Activations whose dim 0
+is the batch are constrained to the data axes (Note [Activation layout] in compile.py), and an
+FSDP weight is gathered once for its forward and backward (Note [Gathered weights]), as in a real
+lazy-frontend step. XLA's partitioner inserts every collective, as in a real SPMD run.
 """
 
 from __future__ import annotations
