@@ -222,11 +222,16 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
 
 
 _T = (torch.ops.aten.t_copy.default, torch.ops.aten.t.default)
-_SAME = (torch.ops.aten.detach_copy.default, torch.ops.aten.detach.default)
+_SAME = (
+    torch.ops.aten.detach_copy.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten._to_copy.default,  # autocast's bf16 copy of a weight
+    torch.ops.prims.convert_element_type.default,
+)
 
 
 def _origin(node):
-    """The value ``node`` is a detached copy of (through any chain of detaches)."""
+    """The value ``node`` is a detached (or autocast-cast) copy of."""
     while getattr(node, "target", None) in _SAME:
         node = node.args[0]
     return node
