@@ -39,27 +39,41 @@ def _env(**extra):
 
 
 @pytest.fixture(scope="module")
-def real_steps():
+def real_proc(tmp_path_factory):
+    """The real steps' process, started first so that it runs beside the planner's (2 cores)."""
     req = [
         {"model": m, "batch_size": BATCH, "seq_len": SEQ, "mesh": mesh, "optimizer": "adamw"}
         for m, mesh in CASES
     ]
-    proc = subprocess.run(
+    log = open(tmp_path_factory.mktemp("plan") / "real.log", "w+")  # (a pipe could fill)
+    proc = subprocess.Popen(
         [sys.executable, os.path.join(HERE, "plan_real_worker.py"), json.dumps(req)],
         env=_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu"),
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=log,
         text=True,
-        timeout=600,
         cwd=REPO,
     )
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    out = [json.loads(x[len("PLAN_REAL ") :]) for x in proc.stdout.splitlines() if "PLAN_REAL" in x]
-    assert len(out) == len(CASES), proc.stdout[-2000:]
-    return out
+    proc.log = log
+    yield proc
+    log.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
 
 
 @pytest.fixture(scope="module")
-def all_plans(monkeypatch_module):
+def real_steps(real_proc, all_plans):
+    out, _ = real_proc.communicate(timeout=600)
+    real_proc.log.seek(0)
+    assert real_proc.returncode == 0, real_proc.log.read()[-4000:]
+    steps = [json.loads(x[len("PLAN_REAL ") :]) for x in out.splitlines() if "PLAN_REAL" in x]
+    assert len(steps) == len(CASES), out[-2000:]
+    return steps
+
+
+@pytest.fixture(scope="module")
+def all_plans(real_proc, monkeypatch_module):
     """The CASES' plans, then gpt-mini (4 layers) compiled whole and extrapolated from 1 and 2
     layers, in one worker process."""
     prepared = [
