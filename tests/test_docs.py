@@ -79,7 +79,8 @@ def test_mkdocs_build_strict(tmp_path):
     plot = site / "img" / "benchmarks.png"
     assert plot.exists() and plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", "no benchmarks plot"
     api = (site / "api" / "index.html").read_text()
-    for name in ("torchacc.accelerate", "torchacc.Config", "torchacc.parallel", "torchacc.horovod"):
+    names = ("torchacc.accelerate", "torchacc.Config", "torchacc.parallel", "torchacc.horovod")
+    for name in (*names, "torchacc.plan"):
         assert name in api, f"the API page does not document {name}"
 
 
