@@ -31,7 +31,10 @@ Order of work (everything is checked before anything happens):
    ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
    device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
    FSDPv2 and column-parallel Linear layers through XLA's partitioner (``_lazy_sharded``);
-7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing.
+7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
+   path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
+   rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note
+   [Per-process batches] in torchacc/runtime/mesh.py).
 """
 
 from __future__ import annotations
@@ -179,7 +182,12 @@ def _lazy_sharded(model, sizes):
         return None
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
-    return model, dev
+
+    def input_sharding(host):  # the loader's layout: each process's batch is its share
+        spec = zero.batch_spec(host.dim(), ("dp", "fsdp"))
+        return sharding.named_sharding(mesh, spec, tuple(host.shape), "dist batch")
+
+    return model, dev, input_sharding
 
 
 def _lazy(model, sizes, spmd=False):
@@ -194,7 +202,7 @@ def _lazy(model, sizes, spmd=False):
     if dp > 1:
         collectives.broadcast_parameters(model, 0)
         _average_gradients_over(model, dp)
-    return model, dev
+    return model, dev, None
 
 
 def _eager(model, config, sizes):
@@ -254,7 +262,10 @@ def accelerate(model, dataloader=None, config=None):
         # before DDP/FSDP wrap it: they call the module's own forward
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
-    model, device = _lazy(model, sizes, spmd) if lazy else _eager(model, config, sizes)
+    if lazy:
+        model, device, input_sharding = _lazy(model, sizes, spmd)
+    else:
+        (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property
         model.device = device
     if dataloader is None:
@@ -267,5 +278,6 @@ def accelerate(model, dataloader=None, config=None):
         max_length=dl.max_length,
         num_buckets=dl.num_buckets or 8,
         pad_value_dict=dl.pad_value_dict,
+        input_sharding=input_sharding,
     )
     return model, loader

@@ -11,9 +11,11 @@ A background thread iterates the host loader, pads each batch to its bucket and 
 tensors (``jax.device_put`` does not wait for the device), keeping up to ``prefetch`` batches
 ready, as ``MpDeviceLoader`` does. Taking the next batch first runs ``torchacc.sync()``, so a loop
 over the loader needs no ``mark_step``; the loader syncs once more when it is exhausted. Each
-``iter()`` starts a new epoch over the host loader. The loader never shards data: a
-``DistributedSampler`` in the host loader does. On a CPU/CUDA device (``backend='eager'``) the
-batches are bucketed and moved with ``.to(device)`` in the consuming thread, with no sync.
+``iter()`` starts a new epoch over the host loader. The loader never splits data: a
+``DistributedSampler`` in the host loader does; in a multi-process SPMD job each process's
+batches are its share of a global batch (Note [Per-process batches] in runtime/mesh.py). On a
+CPU/CUDA device (``backend='eager'``) the batches are bucketed and moved with ``.to(device)`` in
+the consuming thread, with no sync.
 
 Note [Bucketing]
 XLA compiles one program per input shape, so variable-length batches would compile once per
@@ -136,29 +138,121 @@ class Bucketing:
 class _Uploaded:
     """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
 
-    __slots__ = ("array", "mirror", "shape", "dtype", "seconds")
+    __slots__ = ("array", "mirror", "shape", "dtype", "seconds", "nbytes")
 
-    def __init__(self, array, mirror, shape, dtype, seconds):
+    def __init__(self, array, mirror, shape, dtype, seconds, nbytes):
         self.array = array
         self.mirror = mirror
         self.shape = shape
         self.dtype = dtype
         self.seconds = seconds
+        self.nbytes = nbytes
 
 
-def upload_tree(x):
-    """Start copying every CPU tensor of a (nested) batch to the device; any thread."""
+def batch_layout(input_sharding=None):
+    """How the loaders lay a batch's tensors out: ``fn(key, host tensor) -> (sharding, local)``
+    (``key``: the tensor's top-level key in a dict batch). Off SPMD mode nothing is laid out. In
+    SPMD mode with several processes each batch is this process's share (Note [Per-process
+    batches] in torchacc/runtime/mesh.py), split by ``input_sharding`` (an ``xs.ShardingSpec``, a
+    dict of them per key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) or else over
+    every axis of the engine mesh; with one process ``input_sharding`` is applied as the batch is
+    uploaded (each device gets only its shard) where it divides the shape."""
+    from torchacc.runtime import mesh, processes
+
+    def layout(key, host):
+        if not mesh.is_spmd():
+            return None, False
+        spec = input_sharding
+        if isinstance(spec, dict):
+            spec = spec.get(key)
+        if spec is None:
+            sharding = None
+        elif hasattr(spec, "xla_spec"):  # xs.ShardingSpec (None where the rank differs)
+            sharding = spec.xla_spec(host)
+        elif callable(spec):
+            sharding = spec(host)
+        else:
+            sharding = spec
+        if processes.spans_processes():
+            return sharding or mesh.batch_sharding(host.dim()), True
+        from torchacc.program.sharding import padded_shape
+
+        if sharding is not None and padded_shape(tuple(host.shape), sharding) == tuple(host.shape):
+            return sharding, False
+        return None, False
+
+    return layout
+
+
+def upload_tree(x, layout=None, key=None):
+    """Start copying every CPU tensor of a (nested) batch to the device; any thread. ``layout``:
+    :func:`batch_layout`'s function (default: no sharding of SPMD mode's own)."""
     from torchacc.engine import transfer
 
     if isinstance(x, torch.Tensor):
         if x.device.type != "cpu":
             return x  # already elsewhere (e.g. on the device): left as is
         host = x.detach().contiguous()
+        sharding, local = (None, False) if layout is None else layout(key, host)
         start = time.perf_counter()
-        array, mirror = transfer.device_array(host)
+        array, mirror = transfer.device_array(host, sharding, local)
         seconds = time.perf_counter() - start
-        return _Uploaded(array, mirror, tuple(host.shape), host.dtype, seconds)
-    return _map(upload_tree, x)
+        nbytes = transfer.sent_bytes(array)
+        return _Uploaded(array, mirror, tuple(array.shape), host.dtype, seconds, nbytes)
+    if isinstance(x, dict):
+        return type(x)((k, upload_tree(v, layout, k if key is None else key)) for k, v in x.items())
+    return _map(lambda v: upload_tree(v, layout, key), x)
+
+
+def batch_signature(x):
+    """The shapes and dtypes of a (nested) batch's tensors, as one string (for
+    ``runtime.mesh.agree_local_shapes``)."""
+    parts = []
+
+    def walk(v, path):
+        if isinstance(v, torch.Tensor):
+            dtype = str(v.dtype).replace("torch.", "")
+            parts.append(f"batch{path}: {dtype}{list(v.shape)}")
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                walk(item, f"{path}[{k!r}]")
+        elif isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(item, f"{path}[{i}]")
+
+    walk(x, "")
+    return ", ".join(parts) or "no tensors"
+
+
+class BatchAgreement:
+    """Per-process batches (Note [Per-process batches]): before each batch of one pass over a
+    loader is uploaded, every process checks the others load the same shapes (and as many
+    batches). Made on the recording thread; ``check`` runs on the loader's thread."""
+
+    def __init__(self):
+        from torchacc.runtime import mesh, processes
+
+        self.on = mesh.is_spmd() and processes.spans_processes()
+        self.id = mesh.next_loader_id() if self.on else None
+        self.count = 0
+
+    def check(self, batch, stop=None):
+        """``batch`` (None: the loader ended) agrees with every process's; False if ``stop``
+        was set while waiting."""
+        from torchacc.runtime import mesh
+
+        if not self.on:
+            return True
+        i = self.count
+        self.count += 1
+        if batch is None:
+            signature = f"the loader ended after {i} batches"
+        else:
+            signature = batch_signature(batch)
+        ok = mesh.agree_local_shapes(f"{self.id}/{i}", signature, stop, what=f"batch {i}")
+        if ok and i:
+            mesh.forget_local_shapes(f"{self.id}/{i - 1}")
+        return ok
 
 
 def wrap_tree(x):
@@ -172,6 +266,7 @@ def wrap_tree(x):
         value.host = x.mirror  # Note [Reads of host-known values] (torchacc/lazy/host_eval.py)
         metrics.record_time("TransferToDeviceTime", x.seconds)
         metrics.counter_inc("TransferToDevice")
+        metrics.counter_inc("TransferToDeviceBytes", x.nbytes)
         return fresh(value)
     return _map(wrap_tree, x)
 
@@ -234,7 +329,7 @@ def _host_memory():
 class _Epoch:
     """One pass over the host loader, prefetched by a background thread."""
 
-    def __init__(self, loader, transform, prefetch):
+    def __init__(self, loader, transform, prefetch, input_sharding=None):
         from torchacc.runtime.device import jax_device
 
         jax_device()  # pick (and join a multi-process job for) the device on this thread
@@ -242,6 +337,8 @@ class _Epoch:
         self._done = threading.Event()
         self._loader = loader
         self._transform = transform
+        self._layout = batch_layout(input_sharding)
+        self._agreement = BatchAgreement()
         self._first = True
         self._thread = threading.Thread(
             target=self._work, name="torchacc-async-loader", daemon=True
@@ -260,8 +357,12 @@ class _Epoch:
     def _work(self):
         try:
             for batch in self._loader:
-                if not self._put(("batch", upload_tree(self._transform(batch)))):
+                batch = self._transform(batch)
+                if not self._agreement.check(batch, self._done):
                     return
+                if not self._put(("batch", upload_tree(batch, self._layout))):
+                    return
+            self._agreement.check(None, self._done)
         except BaseException as e:  # re-raised in the consuming thread
             self._put(("error", e))
             return
@@ -297,7 +398,10 @@ class _Epoch:
 class AsyncLoader:
     """Wraps a host loader: its batches on ``device``, bucketed when ``buckets`` or ``max_length``
     is given (Note [Bucketing]); ``len()`` is the host loader's. ``prefetch``: batches uploaded
-    ahead of the step."""
+    ahead of the step. In SPMD mode ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them
+    per batch key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) lays the batch out as
+    it is uploaded; with several processes each batch is this process's share of the global
+    batch (Note [Per-process batches] in torchacc/runtime/mesh.py)."""
 
     def __init__(
         self,
@@ -308,10 +412,12 @@ class AsyncLoader:
         num_buckets=8,
         pad_value_dict=None,
         prefetch=4,
+        input_sharding=None,
     ):
         self._loader = loader
         self.device = torch.device(device)
         self._prefetch = prefetch
+        self._input_sharding = input_sharding
         self.bucketing = None
         if buckets is not None or max_length is not None:
             self.bucketing = Bucketing(buckets, max_length, num_buckets, pad_value_dict)
@@ -325,7 +431,7 @@ class AsyncLoader:
 
     def __iter__(self):
         if self.device.type in (DEVICE_TYPE, "xla"):
-            return _Epoch(self._loader, self._transform, self._prefetch)
+            return _Epoch(self._loader, self._transform, self._prefetch, self._input_sharding)
         return (_to_device(self._transform(b), self.device) for b in self._loader)
 
     def __len__(self):

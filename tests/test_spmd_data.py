@@ -1,0 +1,43 @@
+"""Every process loads its own data (Note [Per-process batches] in torchacc/runtime/mesh.py):
+a torchrun job of 2 processes x 2 CPU devices whose ranks feed their DistributedSampler shares
+trains like eager PyTorch on the global batch, uploads only its share, and local batches that
+disagree are an error on every rank, not a hang."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from spmd_launch import torchrun_case
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
+    out = tmp_path / "r"
+    proc = torchrun_case("mp_data_worker.py", out)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    results = [json.loads((tmp_path / f"r.{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        gpt = r["gpt"]
+        # the global array is both ranks' batches: GPT-2 (tiny) FSDPv2 matches eager on them
+        assert gpt["shapes"] == [[8, 16]] * 4, gpt["shapes"]
+        assert max(abs(a - b) for a, b in zip(gpt["losses"], gpt["ref_losses"])) <= 1e-5, gpt
+        assert gpt["param_err"] <= 1e-5, gpt["param_err"]
+        assert gpt["graphs"][2:] == [0, 0], gpt["graphs"]  # no new program after step 2
+        # each process uploads its share: half the global batch, to its own two devices
+        assert gpt["sent_bytes"] == gpt["local_bytes"], gpt
+        assert all(2 * s == g for s, g in zip(gpt["sent_bytes"], gpt["global_bytes"])), gpt
+
+        acc = r["accelerate"]  # ta.accelerate dist.fsdp=2 (dp 2) with per-rank loaders
+        assert max(abs(a - b) for a, b in zip(acc["losses"], acc["ref_losses"])) <= 1e-5, acc
+        assert acc["param_err"] <= 1e-5, acc["param_err"]
+        assert abs(acc["losses"][0] - acc["own_half"][0]) > 1e-3  # not just this rank's half
+
+        shape = r["shape_error"]
+        assert shape is not None and "process 0: batch[0]: float32[4, 16]" in shape, shape
+        assert "process 1: batch[0]: float32[3, 16]" in shape, shape
+        count = r["count_error"]
+        assert count is not None and "process 0: the loader ended after 2 batches" in count
+        assert "process 1: batch[0]: float32[4, 16]" in count, count
+    assert results[0]["gpt"]["losses"] == results[1]["gpt"]["losses"]
