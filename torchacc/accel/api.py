@@ -27,7 +27,9 @@ Order of work (everything is checked before anything happens):
 6. ``dist``: on ``'lazy'``, ``dp`` ranks start from rank 0's parameters and every gradient is
    averaged over them by an all-reduce recorded into the step; on ``'eager'``, ``dp`` is torch
    DDP and ``fsdp`` torch FSDP2 (``fully_shard`` on the ``wrap_layer_cls`` modules, then the
-   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not). On
+   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not); both
+   > 1 is HSDP, FSDP2 over a 2-D (dp, fsdp) device mesh laid out in ``dist.topology``'s order
+   (replicated over dp, sharded over fsdp: FSDP within a node, data parallel across nodes). On
    ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
    device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
    FSDPv2 and column-parallel Linear layers through XLA's partitioner (``_lazy_sharded``);
@@ -79,11 +81,6 @@ def _refuse_unsupported(config, sizes):
     if tp > 1:
         raise NotImplementedError(
             f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
-        )
-    if fsdp > 1 and dp > 1:  # eager (the lazy backend returned above)
-        raise NotImplementedError(
-            f"Config.dist: dp.size = {dp} with fsdp.size = {fsdp} (hybrid sharding) is not "
-            "supported; use one of them"
         )
 
 
@@ -205,6 +202,18 @@ def _lazy(model, sizes, spmd=False):
     return model, dev, None
 
 
+def _hsdp_mesh(device_type, dp, fsdp, topology):
+    """The (dp, fsdp) DeviceMesh of HSDP, ranks laid out in ``topology``'s order (default dp
+    outer: the fsdp groups are consecutive ranks, i.e. one node)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(dp * fsdp)
+    order = [n for n in topology if n in ("dp", "fsdp")]
+    if order == ["fsdp", "dp"]:
+        ranks = ranks.reshape(fsdp, dp).t()
+    return DeviceMesh(device_type, ranks.reshape(dp, fsdp), mesh_dim_names=("dp", "fsdp"))
+
+
 def _eager(model, config, sizes):
     import torch.distributed as dist
 
@@ -222,8 +231,12 @@ def _eager(model, config, sizes):
         from torch.distributed.fsdp import fully_shard
 
         # an explicit mesh: FSDP2's default one would be on torch's current accelerator, which
-        # is the torchacc device once torchacc is imported
-        mesh = init_device_mesh(dev.type, (fsdp,))
+        # is the torchacc device once torchacc is imported. dp x fsdp is HSDP: a 2-D mesh
+        # (replicated over dp, sharded over fsdp), its axes in dist.topology's order
+        if dp > 1:
+            mesh = _hsdp_mesh(dev.type, dp, fsdp, config.dist.topology)
+        else:
+            mesh = init_device_mesh(dev.type, (fsdp,))
         if config.dist.fsdp.sync_module_states:  # rank 0's parameters and buffers everywhere
             for t in (*model.parameters(), *model.buffers()):
                 dist.broadcast(t.data, 0)
