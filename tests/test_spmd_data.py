@@ -1,4 +1,4 @@
-"""Every process loads its own data (Note [Per-process batches] in torchacc/runtime/mesh.py):
+"""Every process loads its own data (Note [Per-process batches] in torchacc/sharding/data.py):
 a torchrun job of 2 processes x 2 CPU devices whose ranks feed their DistributedSampler shares
 trains like eager PyTorch on the global batch, uploads only its share, and local batches that
 disagree are an error on every rank, not a hang."""

@@ -1,6 +1,6 @@
 """One rank of a 2-process x 2-device SPMD job where every process loads its own data
 (tests/test_spmd_data.py starts it with torchrun; Note [Per-process batches] in
-torchacc/runtime/mesh.py).
+torchacc/sharding/data.py).
 
 Each rank reads its share of the data through a ``DistributedSampler``; the model trained on the
 global array those shares make must match eager PyTorch trained on the global batch (rank 0's

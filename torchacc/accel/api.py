@@ -36,7 +36,7 @@ Order of work (everything is checked before anything happens):
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
    path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
    rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note
-   [Per-process batches] in torchacc/runtime/mesh.py).
+   [Per-process batches] in torchacc/sharding/data.py).
 """
 
 from __future__ import annotations

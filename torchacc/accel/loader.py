@@ -13,7 +13,7 @@ ready, as ``MpDeviceLoader`` does. Taking the next batch first runs ``torchacc.s
 over the loader needs no ``mark_step``; the loader syncs once more when it is exhausted. Each
 ``iter()`` starts a new epoch over the host loader. The loader never splits data: a
 ``DistributedSampler`` in the host loader does; in a multi-process SPMD job each process's
-batches are its share of a global batch (Note [Per-process batches] in runtime/mesh.py). On a
+batches are its share of a global batch (Note [Per-process batches] in sharding/data.py). On a
 CPU/CUDA device (``backend='eager'``) the batches are bucketed and moved with ``.to(device)`` in
 the consuming thread, with no sync.
 
@@ -50,6 +50,7 @@ import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding import data
 
 _END = object()
 
@@ -149,44 +150,9 @@ class _Uploaded:
         self.nbytes = nbytes
 
 
-def batch_layout(input_sharding=None):
-    """How the loaders lay a batch's tensors out: ``fn(key, host tensor) -> (sharding, local)``
-    (``key``: the tensor's top-level key in a dict batch). Off SPMD mode nothing is laid out. In
-    SPMD mode with several processes each batch is this process's share (Note [Per-process
-    batches] in torchacc/runtime/mesh.py), split by ``input_sharding`` (an ``xs.ShardingSpec``, a
-    dict of them per key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) or else over
-    every axis of the engine mesh; with one process ``input_sharding`` is applied as the batch is
-    uploaded (each device gets only its shard) where it divides the shape."""
-    from torchacc.runtime import mesh, processes
-
-    def layout(key, host):
-        if not mesh.is_spmd():
-            return None, False
-        spec = input_sharding
-        if isinstance(spec, dict):
-            spec = spec.get(key)
-        if spec is None:
-            sharding = None
-        elif hasattr(spec, "xla_spec"):  # xs.ShardingSpec (None where the rank differs)
-            sharding = spec.xla_spec(host)
-        elif callable(spec):
-            sharding = spec(host)
-        else:
-            sharding = spec
-        if processes.spans_processes():
-            return sharding or mesh.batch_sharding(host.dim()), True
-        from torchacc.program.sharding import padded_shape
-
-        if sharding is not None and padded_shape(tuple(host.shape), sharding) == tuple(host.shape):
-            return sharding, False
-        return None, False
-
-    return layout
-
-
 def upload_tree(x, layout=None, key=None):
     """Start copying every CPU tensor of a (nested) batch to the device; any thread. ``layout``:
-    :func:`batch_layout`'s function (default: no sharding of SPMD mode's own)."""
+    ``sharding.data.batch_layout``'s function (default: no sharding of SPMD mode's own)."""
     from torchacc.engine import transfer
 
     if isinstance(x, torch.Tensor):
@@ -202,57 +168,6 @@ def upload_tree(x, layout=None, key=None):
     if isinstance(x, dict):
         return type(x)((k, upload_tree(v, layout, k if key is None else key)) for k, v in x.items())
     return _map(lambda v: upload_tree(v, layout, key), x)
-
-
-def batch_signature(x):
-    """The shapes and dtypes of a (nested) batch's tensors, as one string (for
-    ``runtime.mesh.agree_local_shapes``)."""
-    parts = []
-
-    def walk(v, path):
-        if isinstance(v, torch.Tensor):
-            dtype = str(v.dtype).replace("torch.", "")
-            parts.append(f"batch{path}: {dtype}{list(v.shape)}")
-        elif isinstance(v, dict):
-            for k, item in v.items():
-                walk(item, f"{path}[{k!r}]")
-        elif isinstance(v, (list, tuple)):
-            for i, item in enumerate(v):
-                walk(item, f"{path}[{i}]")
-
-    walk(x, "")
-    return ", ".join(parts) or "no tensors"
-
-
-class BatchAgreement:
-    """Per-process batches (Note [Per-process batches]): before each batch of one pass over a
-    loader is uploaded, every process checks the others load the same shapes (and as many
-    batches). Made on the recording thread; ``check`` runs on the loader's thread."""
-
-    def __init__(self):
-        from torchacc.runtime import mesh, processes
-
-        self.on = mesh.is_spmd() and processes.spans_processes()
-        self.id = mesh.next_loader_id() if self.on else None
-        self.count = 0
-
-    def check(self, batch, stop=None):
-        """``batch`` (None: the loader ended) agrees with every process's; False if ``stop``
-        was set while waiting."""
-        from torchacc.runtime import mesh
-
-        if not self.on:
-            return True
-        i = self.count
-        self.count += 1
-        if batch is None:
-            signature = f"the loader ended after {i} batches"
-        else:
-            signature = batch_signature(batch)
-        ok = mesh.agree_local_shapes(f"{self.id}/{i}", signature, stop, what=f"batch {i}")
-        if ok and i:
-            mesh.forget_local_shapes(f"{self.id}/{i - 1}")
-        return ok
 
 
 def wrap_tree(x):
@@ -337,8 +252,8 @@ class _Epoch:
         self._done = threading.Event()
         self._loader = loader
         self._transform = transform
-        self._layout = batch_layout(input_sharding)
-        self._agreement = BatchAgreement()
+        self._layout = data.batch_layout(input_sharding)
+        self._agreement = data.BatchAgreement()
         self._first = True
         self._thread = threading.Thread(
             target=self._work, name="torchacc-async-loader", daemon=True
@@ -401,7 +316,7 @@ class AsyncLoader:
     ahead of the step. In SPMD mode ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them
     per batch key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) lays the batch out as
     it is uploaded; with several processes each batch is this process's share of the global
-    batch (Note [Per-process batches] in torchacc/runtime/mesh.py)."""
+    batch (Note [Per-process batches] in torchacc/sharding/data.py)."""
 
     def __init__(
         self,

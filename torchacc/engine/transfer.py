@@ -71,7 +71,7 @@ def device_array(host, sharding=None, local=False):
     [Device dtypes]), and the CPU copy a small integer/bool one keeps for reads (Note [Reads of
     host-known values] in torchacc/lazy/host_eval.py; None otherwise); any thread. SPMD mode:
     laid out by ``sharding`` (default replicated); ``local``: ``host`` is this process's share of
-    a global batch (Note [Per-process batches] in runtime/mesh.py), which keeps no CPU copy."""
+    a global batch (Note [Per-process batches] in sharding/data.py), which keeps no CPU copy."""
     dtype = host.dtype
     stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
     data = host if stored is dtype else host.to(stored)

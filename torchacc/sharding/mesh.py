@@ -28,21 +28,6 @@ multi-process runtime with all its local devices (``local_device_ids=None``), so
 devices and 2 processes x 2 devices are the same program. On a CPU machine the local device
 count comes from ``CPU_NUM_DEVICES`` (torch_xla's variable, with ``PJRT_DEVICE=CPU``) or XLA's
 ``--xla_force_host_platform_device_count`` (``torchacc/_jaxconfig.py``).
-
-Note [Per-process batches]
-In a job of several processes every process loads its own data (a ``DistributedSampler`` gives
-each rank its share), as in JAX. A batch a loader (``MpDeviceLoader``, ``ta.AsyncLoader``)
-takes in SPMD mode is this process's *local* batch, never the global one: it becomes a global
-array with ``jax.make_array_from_process_local_data`` whose dimension 0 is every process's local
-batch in process order (process ``p``'s rows ``[p*b, (p+1)*b)``), split over the batch axes of
-the mesh (the loader's ``input_sharding``; else over every axis of the engine mesh). Each process
-uploads only its share, and only to its own devices (``TransferToDeviceBytes`` counts the bytes
-that reach them). Before a batch is built the processes exchange its tensors' shapes through the
-JAX coordination service (``agree_local_shapes``): local batches of different shapes, or one
-process's loader ending before another's, are a ``ValueError`` naming the processes and shapes on
-every process, never a program that waits for a peer forever. A plain ``.to(device)`` stays global
-(every process passes the same data: parameters, buffers, constants). With one process the batch
-is the global batch, so 1 x 4 and 2 x 2 devices train on the same numbers.
 """
 
 from __future__ import annotations
@@ -139,7 +124,8 @@ def put(host, sharding=None):
 
 def put_local(host, sharding):
     """The global array whose dimension 0 is every process's ``host`` (this process's share, the
-    same shape on each) laid out by ``sharding`` (Note [Per-process batches])."""
+    same shape on each) laid out by ``sharding`` (Note [Per-process batches] in
+    torchacc/sharding/data.py)."""
     if host.ndim == 0 or sharding.is_fully_replicated:  # the same data on every process
         return put(host, sharding)
     procs = processes.world_size()
@@ -188,70 +174,6 @@ def upload_bytes(shape, itemsize, sharding):
     shard = sharding.shard_shape(tuple(shape))
     n = len(sharding.addressable_devices)
     return int(np.prod(shard, dtype=np.int64)) * itemsize * n
-
-
-# --- agreeing on per-process batch shapes (Note [Per-process batches]) ----------------------
-
-_loader_ids = iter(range(1 << 62))
-BATCH_WAIT_S = 300.0  # how long a process waits for a peer's next batch before giving up
-
-
-def next_loader_id():
-    """A number for a new pass over a loader: every process makes its loaders in the same order,
-    so equal numbers name the same pass on every process (the recording thread)."""
-    return next(_loader_ids)
-
-
-def agree_local_shapes(key, signature, stop=None, wait_s=None, what=None):
-    """Post this process's batch ``signature`` (a string: its tensors' shapes, or ``"end"`` when
-    its loader has no more batches) under ``key`` and check every process posted the same; a
-    ``ValueError`` naming the processes and their signatures otherwise. ``stop`` (an Event)
-    gives up quietly (returns False) when set while waiting; ``what`` names the batch."""
-    import time
-
-    world = processes.world_size()
-    if world == 1:
-        return True
-    client = processes._jax_distributed_client()
-    me = processes.rank()
-    prefix = f"torchacc/batch/{key}"
-    what = what or f"batch {key}"
-    client.key_value_set(f"{prefix}/{me}", signature)
-    deadline = time.monotonic() + (BATCH_WAIT_S if wait_s is None else wait_s)
-    seen = {me: signature}
-    for r in range(world):
-        while r not in seen:
-            if stop is not None and stop.is_set():
-                return False
-            try:
-                seen[r] = client.blocking_key_value_get(f"{prefix}/{r}", 1000)
-            except Exception:  # the 1 s wait ran out (or the service is gone)
-                if time.monotonic() > deadline:
-                    raise ValueError(
-                        f"torchacc: process {me} waited {wait_s or BATCH_WAIT_S:.0f} s for "
-                        f"process {r}'s {what} (its own: {signature}); process {r} did not load "
-                        "it (slow, stopped iterating, or dead)"
-                    ) from None
-    if len(set(seen.values())) > 1:
-        lines = "; ".join(f"process {r}: {seen[r]}" for r in sorted(seen))
-        raise ValueError(
-            f"torchacc: per-process batches differ across processes at {what} of a loader "
-            f"({lines}); "
-            "every process must load batches of the same shapes (drop_last=True, the same batch "
-            "size, and as many batches per process: DistributedSampler pads to that)"
-        )
-    return True
-
-
-def forget_local_shapes(key):
-    """Delete this process's posting under ``key`` (every peer has read it)."""
-    if processes.world_size() > 1:
-        try:
-            processes._jax_distributed_client().key_value_delete(
-                f"torchacc/batch/{key}/{processes.rank()}"
-            )
-        except Exception:
-            pass
 
 
 def gather(array):

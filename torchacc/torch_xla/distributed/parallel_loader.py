@@ -19,7 +19,7 @@ In SPMD mode ``input_sharding`` lays each batch out as it is uploaded (every dev
 shard). In a job of several processes every batch is this process's share of the global batch
 (a ``DistributedSampler`` per rank), whatever ``ShardingSpec.minibatch`` says: the global array's
 dimension 0 is every process's batch in process order (Note [Per-process batches] in
-torchacc/runtime/mesh.py); without ``input_sharding`` it is split over every mesh axis.
+torchacc/sharding/data.py); without ``input_sharding`` it is split over every mesh axis.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ import torch
 
 # the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
 # torchacc.AsyncLoader
-from torchacc.accel.loader import BatchAgreement, batch_layout
 from torchacc.accel.loader import upload_tree as _upload_tree
 from torchacc.accel.loader import wrap_tree as _wrap_tree
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding.data import BatchAgreement, batch_layout
 
 _END = object()
 

@@ -1,0 +1,170 @@
+"""Every process loads its own data: the library half of per-process batches (the loaders'
+layout of a batch, and the processes' agreement on its shapes); ``mesh.put_local`` builds the
+global arrays.
+
+Note [Per-process batches]
+In a job of several processes every process loads its own data (a ``DistributedSampler`` gives
+each rank its share), as in JAX. A batch a loader (``MpDeviceLoader``, ``ta.AsyncLoader``)
+takes in SPMD mode is this process's *local* batch, never the global one: it becomes a global
+array with ``jax.make_array_from_process_local_data`` whose dimension 0 is every process's local
+batch in process order (process ``p``'s rows ``[p*b, (p+1)*b)``), split over the batch axes of
+the mesh (the loader's ``input_sharding``; else over every axis of the engine mesh). Each process
+uploads only its share, and only to its own devices (``TransferToDeviceBytes`` counts the bytes
+that reach them). Before a batch is built the processes exchange its tensors' shapes through the
+JAX coordination service (``agree_local_shapes``): local batches of different shapes, or one
+process's loader ending before another's, are a ``ValueError`` naming the processes and shapes on
+every process, never a program that waits for a peer forever. A plain ``.to(device)`` stays global
+(every process passes the same data: parameters, buffers, constants). With one process the batch
+is the global batch, so 1 x 4 and 2 x 2 devices train on the same numbers.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from torchacc.runtime import processes
+from torchacc.sharding import layout as layout_
+from torchacc.sharding import mesh
+
+
+def batch_layout(input_sharding=None):
+    """How the loaders lay a batch's tensors out: ``fn(key, host tensor) -> (sharding, local)``
+    (``key``: the tensor's top-level key in a dict batch). Off SPMD mode nothing is laid out. In
+    SPMD mode with several processes each batch is this process's share (Note [Per-process
+    batches]), split by ``input_sharding`` (an ``xs.ShardingSpec``, a
+    dict of them per key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) or else over
+    every axis of the engine mesh; with one process ``input_sharding`` is applied as the batch is
+    uploaded (each device gets only its shard) where it divides the shape."""
+
+    def layout(key, host):
+        if not mesh.is_spmd():
+            return None, False
+        spec = input_sharding
+        if isinstance(spec, dict):
+            spec = spec.get(key)
+        if spec is None:
+            sharding = None
+        elif hasattr(spec, "xla_spec"):  # xs.ShardingSpec (None where the rank differs)
+            sharding = spec.xla_spec(host)
+        elif callable(spec):
+            sharding = spec(host)
+        else:
+            sharding = spec
+        if processes.spans_processes():
+            return sharding or mesh.batch_sharding(host.dim()), True
+        if sharding is not None and layout_.padded_shape(tuple(host.shape), sharding) == tuple(
+            host.shape
+        ):
+            return sharding, False
+        return None, False
+
+    return layout
+
+
+def batch_signature(x):
+    """The shapes and dtypes of a (nested) batch's tensors, as one string (for
+    :func:`agree_local_shapes`)."""
+    parts = []
+
+    def walk(v, path):
+        if isinstance(v, torch.Tensor):
+            dtype = str(v.dtype).replace("torch.", "")
+            parts.append(f"batch{path}: {dtype}{list(v.shape)}")
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                walk(item, f"{path}[{k!r}]")
+        elif isinstance(v, (list, tuple)):
+            for i, item in enumerate(v):
+                walk(item, f"{path}[{i}]")
+
+    walk(x, "")
+    return ", ".join(parts) or "no tensors"
+
+
+class BatchAgreement:
+    """Per-process batches (Note [Per-process batches]): before each batch of one pass over a
+    loader is uploaded, every process checks the others load the same shapes (and as many
+    batches). Made on the recording thread; ``check`` runs on the loader's thread."""
+
+    def __init__(self):
+        self.on = mesh.is_spmd() and processes.spans_processes()
+        self.id = next_loader_id() if self.on else None
+        self.count = 0
+
+    def check(self, batch, stop=None):
+        """``batch`` (None: the loader ended) agrees with every process's; False if ``stop``
+        was set while waiting."""
+        if not self.on:
+            return True
+        i = self.count
+        self.count += 1
+        if batch is None:
+            signature = f"the loader ended after {i} batches"
+        else:
+            signature = batch_signature(batch)
+        ok = agree_local_shapes(f"{self.id}/{i}", signature, stop, what=f"batch {i}")
+        if ok and i:
+            forget_local_shapes(f"{self.id}/{i - 1}")
+        return ok
+
+
+_loader_ids = iter(range(1 << 62))
+BATCH_WAIT_S = 300.0  # how long a process waits for a peer's next batch before giving up
+
+
+def next_loader_id():
+    """A number for a new pass over a loader: every process makes its loaders in the same order,
+    so equal numbers name the same pass on every process (the recording thread)."""
+    return next(_loader_ids)
+
+
+def agree_local_shapes(key, signature, stop=None, wait_s=None, what=None):
+    """Post this process's batch ``signature`` (a string: its tensors' shapes, or ``"end"`` when
+    its loader has no more batches) under ``key`` and check every process posted the same; a
+    ``ValueError`` naming the processes and their signatures otherwise. ``stop`` (an Event)
+    gives up quietly (returns False) when set while waiting; ``what`` names the batch."""
+    world = processes.world_size()
+    if world == 1:
+        return True
+    client = processes._jax_distributed_client()
+    me = processes.rank()
+    prefix = f"torchacc/batch/{key}"
+    what = what or f"batch {key}"
+    client.key_value_set(f"{prefix}/{me}", signature)
+    deadline = time.monotonic() + (BATCH_WAIT_S if wait_s is None else wait_s)
+    seen = {me: signature}
+    for r in range(world):
+        while r not in seen:
+            if stop is not None and stop.is_set():
+                return False
+            try:
+                seen[r] = client.blocking_key_value_get(f"{prefix}/{r}", 1000)
+            except Exception:  # the 1 s wait ran out (or the service is gone)
+                if time.monotonic() > deadline:
+                    raise ValueError(
+                        f"torchacc: process {me} waited {wait_s or BATCH_WAIT_S:.0f} s for "
+                        f"process {r}'s {what} (its own: {signature}); process {r} did not load "
+                        "it (slow, stopped iterating, or dead)"
+                    ) from None
+    if len(set(seen.values())) > 1:
+        lines = "; ".join(f"process {r}: {seen[r]}" for r in sorted(seen))
+        raise ValueError(
+            f"torchacc: per-process batches differ across processes at {what} of a loader "
+            f"({lines}); "
+            "every process must load batches of the same shapes (drop_last=True, the same batch "
+            "size, and as many batches per process: DistributedSampler pads to that)"
+        )
+    return True
+
+
+def forget_local_shapes(key):
+    """Delete this process's posting under ``key`` (every peer has read it)."""
+    if processes.world_size() > 1:
+        try:
+            processes._jax_distributed_client().key_value_delete(
+                f"torchacc/batch/{key}/{processes.rank()}"
+            )
+        except Exception:
+            pass
