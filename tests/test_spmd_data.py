@@ -29,10 +29,16 @@ def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
         assert gpt["sent_bytes"] == gpt["local_bytes"], gpt
         assert all(2 * s == g for s, g in zip(gpt["sent_bytes"], gpt["global_bytes"])), gpt
 
-        acc = r["accelerate"]  # ta.accelerate dist.fsdp=2 (dp 2) with per-rank loaders
-        assert max(abs(a - b) for a, b in zip(acc["losses"], acc["ref_losses"])) <= 1e-5, acc
-        assert acc["param_err"] <= 1e-5, acc["param_err"]
-        assert abs(acc["losses"][0] - acc["own_half"][0]) > 1e-3  # not just this rank's half
+        # ta.accelerate dist.fsdp=2 (dp 2) with per-rank loaders: fsdp within a process (dp x
+        # fsdp, the default topology) or across them (topology fsdp first)
+        # (which processes hold fc1.weight's first fsdp shard: one per dp replica, or only the
+        # fsdp group's first process)
+        for case, shard0 in (("accelerate", [0, 1]), ("accelerate_fsdp_outer", [0, 0])):
+            acc = r[case]
+            assert max(abs(a - b) for a, b in zip(acc["losses"], acc["ref_losses"])) <= 1e-5, acc
+            assert acc["param_err"] <= 1e-5, acc["param_err"]
+            assert abs(acc["losses"][0] - acc["own_half"][0]) > 1e-3  # not this rank's half
+            assert acc["processes_of_shard0"] == shard0, (case, acc["processes_of_shard0"])
 
         shape = r["shape_error"]
         assert shape is not None and "process 0: batch[0]: float32[4, 16]" in shape, shape

@@ -144,8 +144,9 @@ class Pairs(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def accelerate_fsdp():
-    """ta.accelerate(model, per-rank loader, dist.fsdp.size=2) under torchrun: dp 2 x fsdp 2."""
+def accelerate_fsdp(topology=None):
+    """ta.accelerate(model, per-rank loader, dist.fsdp.size=2) under torchrun: dp 2 x fsdp 2
+    (``topology``: the mesh's axis order, default dp outer: fsdp within a process)."""
     torch.manual_seed(0)
     ref = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
     model = torch.nn.Sequential(Block(), Block(), torch.nn.Linear(16, 4))
@@ -154,7 +155,15 @@ def accelerate_fsdp():
     hosts = loaders(dataset)
     config = ta.Config()
     config.dist.fsdp.size = 2
+    if topology is not None:
+        config.dist.topology = topology
     model, loader = ta.accelerate(model, hosts[RANK], config)
+    w = model[0].fc1.weight
+    processes_of_shard0 = sorted(
+        d.process_index
+        for d, index in w._st.value.buf.sharding.devices_indices_map(tuple(w.shape)).items()
+        if (index[0].start or 0) == 0
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ropt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
     losses = []
@@ -179,6 +188,7 @@ def accelerate_fsdp():
         "ref_losses": ref_losses,
         "own_half": own_half,
         "param_err": param_err(model, ref),
+        "processes_of_shard0": processes_of_shard0,
     }
 
 
@@ -198,6 +208,7 @@ def disagreeing(kind):
 
 out = sys.argv[1]
 result = {"gpt": gpt_fsdp(), "accelerate": accelerate_fsdp()}
+result["accelerate_fsdp_outer"] = accelerate_fsdp(["fsdp", "dp", "pp", "tp"])
 result["shape_error"] = disagreeing("shape")
 result["count_error"] = disagreeing("count")
 with open(f"{out}.{RANK}.json", "w") as f:

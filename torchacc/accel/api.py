@@ -145,7 +145,7 @@ def _spmd_device_count():
     return len(sharding.devices())
 
 
-def _lazy_sharded(model, sizes):
+def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
     device of the job (Note [SPMD mode]). ``tp`` splits each Linear's output features (column
     parallel), ``fsdp`` dim 0 of every other parameter (ZeRO-3); a forward pre-hook splits the
@@ -156,7 +156,13 @@ def _lazy_sharded(model, sizes):
 
     sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
-    mesh = sharding.jax_mesh(range(dp * fsdp * tp), (dp, fsdp, tp), ("dp", "fsdp", "tp"))
+    # the mesh's axes in dist.topology's order, the first outermost (dp x fsdp by default: each
+    # fsdp group is consecutive devices, one node; dp runs across nodes)
+    names = [n for n in topology if n in ("dp", "fsdp", "tp")]
+    names += [n for n in ("dp", "fsdp", "tp") if n not in names]
+    size = {"dp": dp, "fsdp": fsdp, "tp": tp}
+    mesh = sharding.jax_mesh(range(dp * fsdp * tp), [size[n] for n in names], names)
+    batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
     if tp > 1:
@@ -174,24 +180,24 @@ def _lazy_sharded(model, sizes):
     def split_batch(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
             if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
-                zero.shard_batch(t, mesh, ("dp", "fsdp"))
+                zero.shard_batch(t, mesh, batch_axes)
         return None
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
 
     def input_sharding(host):  # the loader's layout: each process's batch is its share
-        spec = zero.batch_spec(host.dim(), ("dp", "fsdp"))
+        spec = zero.batch_spec(host.dim(), batch_axes)
         return sharding.named_sharding(mesh, spec, tuple(host.shape), "dist batch")
 
     return model, dev, input_sharding
 
 
-def _lazy(model, sizes, spmd=False):
+def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp")):
     from torchacc.lazy.device import device
     from torchacc.sharding import collectives
 
     if spmd:
-        return _lazy_sharded(model, sizes)
+        return _lazy_sharded(model, sizes, topology)
     dev = device()
     model.to(dev)
     dp = sizes[0]
@@ -275,7 +281,7 @@ def accelerate(model, dataloader=None, config=None):
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
     if lazy:
-        model, device, input_sharding = _lazy(model, sizes, spmd)
+        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology)
     else:
         (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property
