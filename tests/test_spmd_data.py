@@ -47,3 +47,24 @@ def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
         assert count is not None and "process 0: the loader ended after 2 batches" in count
         assert "process 1: batch[0]: float32[4, 16]" in count, count
     assert results[0]["gpt"]["losses"] == results[1]["gpt"]["losses"]
+
+
+@pytest.mark.slow
+@pytest.mark.devices(2)
+def test_horovod_averaging_mixes_with_fsdp_over_local_devices(tmp_path):
+    """dp x fsdp in one step: each process's batch (its own, split over its 2 devices) through
+    an FSDP-sharded model, hvd.DistributedOptimizer averaging across the 2 processes: equal to
+    eager on the global batch, one program per step after step 2, half the bytes per process."""
+    out = tmp_path / "m"
+    proc = torchrun_case("mp_mix_data_worker.py", out)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    results = [json.loads((tmp_path / f"m.{rank}.json").read_text()) for rank in (0, 1)]
+    for r in results:
+        assert r["shapes"] == [[4, 8]] * 4, r["shapes"]  # this process's own batch
+        # per-process view: each rank's loss is its own half's, the update the global batch's
+        assert max(abs(a - b) for a, b in zip(r["losses"], r["own_losses"])) <= 1e-5, r
+        assert r["param_err"] <= 1e-5, r
+        assert r["graphs"][2:] == [0, 0], r["graphs"]
+        assert r["sent_bytes"] == r["local_bytes"], r
+    mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
+    assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) <= 1e-5

@@ -5,17 +5,26 @@ global arrays.
 Note [Per-process batches]
 In a job of several processes every process loads its own data (a ``DistributedSampler`` gives
 each rank its share), as in JAX. A batch a loader (``MpDeviceLoader``, ``ta.AsyncLoader``)
-takes in SPMD mode is this process's *local* batch, never the global one: it becomes a global
-array with ``jax.make_array_from_process_local_data`` whose dimension 0 is every process's local
-batch in process order (process ``p``'s rows ``[p*b, (p+1)*b)``), split over the batch axes of
-the mesh (the loader's ``input_sharding``; else over every axis of the engine mesh). Each process
-uploads only its share, and only to its own devices (``TransferToDeviceBytes`` counts the bytes
-that reach them). Before a batch is built the processes exchange its tensors' shapes through the
-JAX coordination service (``agree_local_shapes``): local batches of different shapes, or one
-process's loader ending before another's, are a ``ValueError`` naming the processes and shapes on
-every process, never a program that waits for a peer forever. A plain ``.to(device)`` stays global
-(every process passes the same data: parameters, buffers, constants). With one process the batch
-is the global batch, so 1 x 4 and 2 x 2 devices train on the same numbers.
+takes in SPMD mode is this process's *local* batch, uploaded only to this process's devices,
+each device getting only its shard (``TransferToDeviceBytes`` counts the bytes that reach them).
+Where it goes depends on how the loader's ``input_sharding`` splits dimension 0 (default: over
+every axis of the engine mesh):
+
+- over axes that run along processes (``process_axes``; or a mesh with no such axis): a *global
+  batch*. ``jax.make_array_from_process_local_data`` builds one array whose dimension 0 is every
+  process's batch in process order (process ``p``'s rows ``[p*b, (p+1)*b)``); the step sees the
+  global batch, as with one process (1 x 4 and 2 x 2 devices train on the same numbers).
+  ``ta.accelerate``'s dp x fsdp splits over (dp, fsdp).
+- over local axes only (``ShardingSpec(mesh, ("fsdp", None))`` on a (dp, fsdp) mesh whose rows
+  are processes): the batch stays this process's *own* (its shape is the local one), for
+  per-process code in the step: DDP/Horovod averaging, ``xm.all_reduce`` (a manual region over the
+  process axes, Note [One mesh]) next to sharding over the local devices.
+
+Before a batch is built the processes exchange its tensors' shapes through the JAX coordination
+service (``agree_local_shapes``): local batches of different shapes, or one process's loader
+ending before another's, are a ``ValueError`` naming the processes and shapes on every process,
+never a program that waits for a peer forever. A plain ``.to(device)`` stays global (every
+process passes the same data: parameters, buffers, constants).
 """
 
 from __future__ import annotations
@@ -31,12 +40,13 @@ from torchacc.sharding import mesh
 
 def batch_layout(input_sharding=None):
     """How the loaders lay a batch's tensors out: ``fn(key, host tensor) -> (sharding, local)``
-    (``key``: the tensor's top-level key in a dict batch). Off SPMD mode nothing is laid out. In
-    SPMD mode with several processes each batch is this process's share (Note [Per-process
-    batches]), split by ``input_sharding`` (an ``xs.ShardingSpec``, a
-    dict of them per key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) or else over
-    every axis of the engine mesh; with one process ``input_sharding`` is applied as the batch is
-    uploaded (each device gets only its shard) where it divides the shape."""
+    (``key``: the tensor's top-level key in a dict batch; ``local``: ``host`` is this process's
+    share of a global batch). Off SPMD mode nothing is laid out. In SPMD mode the batch is split
+    by ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them per key, a ``NamedSharding`` or
+    ``fn(tensor) -> NamedSharding``; with several processes, default: over every axis of the
+    engine mesh) as it is uploaded, each device getting only its shard (Note [Per-process
+    batches]: a split over the process axes makes a global batch of every process's share, a
+    split over local axes only keeps the batch this process's own)."""
 
     def layout(key, host):
         if not mesh.is_spmd():
@@ -53,7 +63,8 @@ def batch_layout(input_sharding=None):
         else:
             sharding = spec
         if processes.spans_processes():
-            return sharding or mesh.batch_sharding(host.dim()), True
+            sharding = sharding or mesh.batch_sharding(host.dim())
+            return sharding, host.dim() > 0 and _splits_processes(sharding)
         if sharding is not None and layout_.padded_shape(tuple(host.shape), sharding) == tuple(
             host.shape
         ):
@@ -61,6 +72,19 @@ def batch_layout(input_sharding=None):
         return None, False
 
     return layout
+
+
+def _splits_processes(sharding):
+    """Whether ``sharding`` splits dimension 0 over an axis that runs along processes."""
+    spec = tuple(sharding.spec)
+    entry = spec[0] if spec else None
+    names = set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
+    if not names:
+        return False
+    try:
+        return bool(names & set(mesh.process_axes(sharding.mesh)))
+    except ValueError:  # no axis runs along processes alone: a global split of the batch
+        return True
 
 
 def batch_signature(x):
