@@ -68,3 +68,28 @@ def test_horovod_averaging_mixes_with_fsdp_over_local_devices(tmp_path):
         assert r["sent_bytes"] == r["local_bytes"], r
     mean = [(a + b) / 2 for a, b in zip(results[0]["losses"], results[1]["losses"])]
     assert max(abs(a - b) for a, b in zip(mean, results[0]["ref_losses"])) <= 1e-5
+
+
+def test_processes_per_machine_split_its_gpus_in_spmd_mode(monkeypatch):
+    """--nproc_per_node N in SPMD mode: each process joins with its local rank's block of the
+    machine's GPUs (not all of them); CPU processes keep their own devices."""
+    import torch
+
+    from torchacc.runtime import processes
+
+    monkeypatch.setattr(processes, "wants_all_local_devices", lambda: True)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert processes._local_device_ids(0) == [0, 1, 2, 3]
+    assert processes._local_device_ids(1) == [4, 5, 6, 7]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 3)
+    with pytest.raises(RuntimeError, match="2 processes per machine .* over 3 GPUs"):
+        processes._local_device_ids(0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert processes._local_device_ids(1) is None  # CPU: every local device of this process
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert processes._local_device_ids(0) is None  # one process per machine: all its GPUs
+    monkeypatch.setattr(processes, "wants_all_local_devices", lambda: False)
+    assert processes._local_device_ids(3) == [3]  # one device per process

@@ -174,7 +174,7 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                 num_processes=world,
                 process_id=rank,
                 # SPMD mode: every local device joins the global mesh (Note [SPMD mode])
-                local_device_ids=None if wants_all_local_devices() else [local_rank],
+                local_device_ids=_local_device_ids(local_rank),
                 coordinator_bind_address=os.environ.get("TORCHACC_COORDINATOR_BIND_ADDRESS")
                 or address,
                 initialization_timeout=env_int("TORCHACC_INIT_TIMEOUT", 300),
@@ -188,6 +188,33 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
             ) from e
         _set_state(rank, world, local_rank)
         _install_fast_exit()
+
+
+def _local_device_ids(local_rank):
+    """The devices this process joins the job with: its local rank's one device; in SPMD mode
+    all of the machine's, or with several processes per machine (``LOCAL_WORLD_SIZE`` > 1 under
+    torchrun, each loading its own data: Note [Per-process batches] in sharding/data.py) its local
+    rank's equal block of the machine's GPUs. CPU processes each have their own devices."""
+    if not wants_all_local_devices():
+        return [local_rank]
+    per_node = env_int("LOCAL_WORLD_SIZE", 1)
+    if per_node <= 1:
+        return None
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no torch CUDA build: let JAX take what it finds
+        gpus = 0
+    if gpus == 0:
+        return None
+    if gpus % per_node:
+        raise RuntimeError(
+            f"torchacc.distributed: SPMD mode with {per_node} processes per machine "
+            f"(LOCAL_WORLD_SIZE) over {gpus} GPUs: the GPUs must split evenly among the processes"
+        )
+    k = gpus // per_node
+    return list(range(local_rank * k, (local_rank + 1) * k))
 
 
 def _set_state(rank, world, local_rank):
