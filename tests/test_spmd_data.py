@@ -40,6 +40,7 @@ def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
             assert abs(acc["losses"][0] - acc["own_half"][0]) > 1e-3  # not this rank's half
             assert acc["processes_of_shard0"] == shard0, (case, acc["processes_of_shard0"])
 
+        assert r["global_batch"] == [0.0, 0.0, 1.0, 1.0]  # sharding.data.global_batch
         shape = r["shape_error"]
         assert shape is not None and "process 0: batch[0]: float32[4, 16]" in shape, shape
         assert "process 1: batch[0]: float32[3, 16]" in shape, shape

@@ -33,6 +33,7 @@ import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
 from gallery.gpt.data import MockTokens  # noqa: E402
 from gallery.gpt.model import CONFIGS, GPT  # noqa: E402
 from torchacc import metrics  # noqa: E402
+from torchacc.sharding import data  # noqa: E402
 from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
     SpmdFullyShardedDataParallel as FSDPv2,
 )
@@ -209,6 +210,8 @@ def disagreeing(kind):
 out = sys.argv[1]
 result = {"gpt": gpt_fsdp(), "accelerate": accelerate_fsdp()}
 result["accelerate_fsdp_outer"] = accelerate_fsdp(["fsdp", "dp", "pp", "tp"])
+(g,) = data.global_batch((torch.full((2, 3), float(RANK)),))  # the trainer's per-step upload
+result["global_batch"] = g.cpu()[:, 0].tolist()
 result["shape_error"] = disagreeing("shape")
 result["count_error"] = disagreeing("count")
 with open(f"{out}.{RANK}.json", "w") as f:

@@ -42,7 +42,6 @@ import os
 import queue
 import sys
 import threading
-import time
 import warnings
 
 import torch
@@ -51,6 +50,7 @@ import torch.nn.functional as F
 from torchacc.accel.config import DEFAULT_PAD_VALUES
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding import data
+from torchacc.sharding.data import _map, upload_tree, wrap_tree  # noqa: F401  (shared uploads)
 
 _END = object()
 
@@ -134,66 +134,6 @@ class Bucketing:
 
 
 # --- moving batches to the torchacc device ------------------------------------------------------
-
-
-class _Uploaded:
-    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
-
-    __slots__ = ("array", "mirror", "shape", "dtype", "seconds", "nbytes")
-
-    def __init__(self, array, mirror, shape, dtype, seconds, nbytes):
-        self.array = array
-        self.mirror = mirror
-        self.shape = shape
-        self.dtype = dtype
-        self.seconds = seconds
-        self.nbytes = nbytes
-
-
-def upload_tree(x, layout=None, key=None):
-    """Start copying every CPU tensor of a (nested) batch to the device; any thread. ``layout``:
-    ``sharding.data.batch_layout``'s function (default: no sharding of SPMD mode's own)."""
-    from torchacc.engine import transfer
-
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            return x  # already elsewhere (e.g. on the device): left as is
-        host = x.detach().contiguous()
-        sharding, local = (None, False) if layout is None else layout(key, host)
-        start = time.perf_counter()
-        array, mirror = transfer.device_array(host, sharding, local)
-        seconds = time.perf_counter() - start
-        nbytes = transfer.sent_bytes(array)
-        return _Uploaded(array, mirror, tuple(array.shape), host.dtype, seconds, nbytes)
-    if isinstance(x, dict):
-        return type(x)((k, upload_tree(v, layout, k if key is None else key)) for k, v in x.items())
-    return _map(lambda v: upload_tree(v, layout, key), x)
-
-
-def wrap_tree(x):
-    """The batch ``upload_tree`` made, as torchacc tensors; the recording thread."""
-    from torchacc import metrics
-    from torchacc.ir import Value, contiguous_desc
-    from torchacc.lazy.record import fresh
-
-    if isinstance(x, _Uploaded):
-        value = Value(contiguous_desc(x.shape, x.dtype), array=x.array)
-        value.host = x.mirror  # Note [Reads of host-known values] (torchacc/lazy/host_eval.py)
-        metrics.record_time("TransferToDeviceTime", x.seconds)
-        metrics.counter_inc("TransferToDevice")
-        metrics.counter_inc("TransferToDeviceBytes", x.nbytes)
-        return fresh(value)
-    return _map(wrap_tree, x)
-
-
-def _map(fn, x):
-    if isinstance(x, dict):
-        return type(x)((k, fn(v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(fn(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(fn(v) for v in x)
-    return x
 
 
 def _to_device(x, device):

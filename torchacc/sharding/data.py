@@ -192,3 +192,83 @@ def forget_local_shapes(key):
             )
         except Exception:
             pass
+
+
+# --- uploading batches (any thread) and wrapping them as torchacc tensors (the recording thread),
+# shared by MpDeviceLoader and ta.AsyncLoader
+
+
+class _Uploaded:
+    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
+
+    __slots__ = ("array", "mirror", "shape", "dtype", "seconds", "nbytes")
+
+    def __init__(self, array, mirror, shape, dtype, seconds, nbytes):
+        self.array = array
+        self.mirror = mirror
+        self.shape = shape
+        self.dtype = dtype
+        self.seconds = seconds
+        self.nbytes = nbytes
+
+
+def upload_tree(x, layout=None, key=None):
+    """Start copying every CPU tensor of a (nested) batch to the device; any thread. ``layout``:
+    :func:`batch_layout`'s function (default: no sharding of SPMD mode's own)."""
+    from torchacc.engine import transfer
+
+    if isinstance(x, torch.Tensor):
+        if x.device.type != "cpu":
+            return x  # already elsewhere (e.g. on the device): left as is
+        host = x.detach().contiguous()
+        sharding, local = (None, False) if layout is None else layout(key, host)
+        start = time.perf_counter()
+        array, mirror = transfer.device_array(host, sharding, local)
+        seconds = time.perf_counter() - start
+        nbytes = transfer.sent_bytes(array)
+        return _Uploaded(array, mirror, tuple(array.shape), host.dtype, seconds, nbytes)
+    if isinstance(x, dict):
+        return type(x)((k, upload_tree(v, layout, k if key is None else key)) for k, v in x.items())
+    return _map(lambda v: upload_tree(v, layout, key), x)
+
+
+def wrap_tree(x):
+    """The batch ``upload_tree`` made, as torchacc tensors; the recording thread."""
+    from torchacc import metrics
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.record import fresh
+
+    if isinstance(x, _Uploaded):
+        value = Value(contiguous_desc(x.shape, x.dtype), array=x.array)
+        value.host = x.mirror  # Note [Reads of host-known values] (torchacc/lazy/host_eval.py)
+        metrics.record_time("TransferToDeviceTime", x.seconds)
+        metrics.counter_inc("TransferToDevice")
+        metrics.counter_inc("TransferToDeviceBytes", x.nbytes)
+        return fresh(value)
+    return _map(wrap_tree, x)
+
+
+def _map(fn, x):
+    if isinstance(x, dict):
+        return type(x)((k, fn(v)) for k, v in x.items())
+    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
+        return type(x)(*(fn(v) for v in x))
+    if isinstance(x, (list, tuple)):
+        return type(x)(fn(v) for v in x)
+    return x
+
+
+_global_batches = [0]
+
+
+def global_batch(batch, input_sharding=None):
+    """A (nested) batch of CPU tensors on the device as the loaders lay it out, on the recording
+    thread: in a multi-process SPMD job ``batch`` is this process's share (Note [Per-process
+    batches]; every process calls this the same number of times, with batches of the same
+    shapes). ``input_sharding`` as for :func:`batch_layout`."""
+    check = BatchAgreement()
+    if check.on:  # one pass of its own per call (the same number on every process)
+        check.id = f"global/{_global_batches[0]}"
+        _global_batches[0] += 1
+        check.check(batch)
+    return wrap_tree(upload_tree(batch, batch_layout(input_sharding)))

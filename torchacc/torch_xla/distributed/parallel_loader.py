@@ -31,10 +31,10 @@ import torch
 
 # the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
 # torchacc.AsyncLoader
-from torchacc.accel.loader import upload_tree as _upload_tree
-from torchacc.accel.loader import wrap_tree as _wrap_tree
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding.data import BatchAgreement, batch_layout
+from torchacc.sharding.data import upload_tree as _upload_tree
+from torchacc.sharding.data import wrap_tree as _wrap_tree
 
 _END = object()
 
