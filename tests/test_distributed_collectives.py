@@ -24,6 +24,7 @@ EXPECTED_CHECKS = {
     "rendezvous",
     "cpu_tensor",
     "errors",
+    "send_recv",
     "broadcast_parameters",
     "distributed_sampler",
     "mp_device_loader",
@@ -42,7 +43,7 @@ def test_collectives_two_processes(tmp_path):
     errors = load(tmp_path, "collectives", 0)["errors"]
     assert set(errors) == {
         "all_reduce",
-        "send",
+        "gather",
         "all_to_all_single",
         "avg",
         "all_to_all lengths",

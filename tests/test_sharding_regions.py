@@ -14,6 +14,12 @@ def test_manual_region_cases_on_4_devices():
     assert "4 passed" in out and "failed" not in out
 
 
+@pytest.mark.xdist_group("spmd_switch")
+def test_switching_to_spmd_after_tensors_exist_on_4_devices():
+    out = run_cases("case_switch.py")
+    assert "1 passed" in out and "failed" not in out
+
+
 @pytest.mark.devices(2)
 def test_per_process_all_reduce_next_to_sharding_in_one_step(tmp_path):
     """2 processes x 2 devices: FSDP over each process's devices and xm.all_reduce across the

@@ -429,22 +429,46 @@ def send_recv(value, source, target, name="send"):
 # recipes
 
 
-def broadcast_parameters(module, src=0):
-    """Overwrite ``module``'s parameters and buffers with process ``src``'s (replicas start equal).
+# Note [One gradient average, one start]
+# Every front door that averages gradients (DDP, Horovod's DistributedOptimizer, ta.accelerate's
+# dp, xm.reduce_gradients) calls ``average_gradients``: one coalesced all_reduce of the list,
+# summed then scaled (1/members by default), written back in place. Every front door that makes
+# replicas start equal (DDP, hvd.broadcast_parameters / broadcast_optimizer_state, accelerate,
+# xm.broadcast_master_param, the drop-in's broadcast of a state) calls ``start_equal``: each
+# rank's pending work runs alone first (ranks may differ in it: rank 0 alone loaded a
+# checkpoint, and a program holding a collective must be the same on every rank), then one
+# bit-exact broadcast, then a sync, so the values are final on return and no rank later reads
+# them alone while the broadcast is pending.
 
-    Like torch_xla's ``broadcast_master_param`` it syncs right away, so the parameters hold their
-    final values on return (no rank can later read them alone while the broadcast is pending).
-    Returns ``module``.
-    """
-    tensors = [
-        t
-        for t in itertools.chain(module.parameters(), module.buffers())
-        if isinstance(t, LazyTensor)
-    ]
-    if tensors and world_size() > 1:
-        execute.sync()  # pending work may differ between ranks (a rank-0-only load): run it alone
-        broadcast(tensors, src)
+
+def average_gradients(grads, scale=None, op="sum", groups=None):
+    """The gradient-averaging recipe (Note [One gradient average, one start]): ``grads`` (None
+    entries skipped) reduced by ``op`` over the members as one collective, times ``scale``
+    (default ``1 / members``: the mean), in place. Returns the reduced list."""
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return grads
+    if scale is None:
+        scale = 1.0 / _members()
+    all_reduce(op, grads, scale=scale, groups=groups)
+    return grads
+
+
+def start_equal(tensors, src=0):
+    """The "start ranks equal" recipe (Note [One gradient average, one start]): the torchacc
+    tensors among ``tensors`` overwritten in place with rank ``src``'s."""
+    lazy = [t for t in tensors if isinstance(t, LazyTensor)]
+    if lazy and world_size() > 1:
         execute.sync()
+        broadcast(lazy, src)
+        execute.sync()
+    return tensors
+
+
+def broadcast_parameters(module, src=0):
+    """Overwrite ``module``'s parameters and buffers with process ``src``'s (replicas start equal,
+    ``start_equal``). Returns ``module``."""
+    start_equal(list(itertools.chain(module.parameters(), module.buffers())), src)
     return module
 
 

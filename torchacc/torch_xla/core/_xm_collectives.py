@@ -92,13 +92,11 @@ def _fetch_gradients(optimizer):
 def reduce_gradients(optimizer, groups=None, pin_layout=True):
     """Average the gradients over the replicas (nothing to do on one)."""
     count = xrt_world_size()
-    if count > 1:
-        all_reduce(
-            REDUCE_SUM,
+    if count > 1:  # the one recipe: Note [One gradient average, one start]
+        _collective("average_gradients")(
             _fetch_gradients(optimizer),
-            scale=1.0 / count,
+            1.0 / count,
             groups=groups,
-            pin_layout=pin_layout,
         )
 
 
