@@ -14,9 +14,10 @@ Collectives on torchacc tensors (``dist.all_reduce``, ``all_gather(_into_tensor)
 pending graph (``torchacc.distributed.collectives``) and run by XLA at the next ``torchacc.sync()``;
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
-coordination service. ``send``/``recv`` in a 2-process job are one ppermute each (the
-peers' matching calls record the same op); rooted gather/scatter raise ``NotImplementedError``; so
-does any collective on a group smaller than the whole job.
+coordination service. ``send``/``recv`` in a 2-process job are one ppermute each, run at once
+as torch's blocking calls are (the peers' matching calls run the same op); rooted
+gather/scatter raise ``NotImplementedError``; so does any collective on a group smaller than the
+whole job.
 """
 
 from __future__ import annotations
@@ -265,8 +266,8 @@ class ProcessGroupXla(dist.ProcessGroup):
         return t, self._global_rank(peer)
 
     def send(self, tensors, dst, tag=0):
-        """Recorded as ``collective_permute(t, [(me, dst)])``; the peer's matching ``recv``
-        records the same op (sends and receives pair up in the order each rank issues them)."""
+        """``collective_permute(t, [(me, dst)])``, run at once; the peer's matching ``recv`` runs
+        the same op (sends and receives pair up in the order each rank issues them)."""
         t, dst = self._p2p("send", tensors, dst)
         collectives.send_recv(t, runtime.rank(), dst, "send")
         return _done(tensors)

@@ -420,9 +420,19 @@ def collective_permute(value, pairs):
 
 
 def send_recv(value, source, target, name="send"):
-    """``value`` moved from member ``source`` to member ``target`` in the step (one ppermute that
-    both call, ``value`` a buffer of the right shape on the receiver): the receiver's result."""
-    return collective_permute(value, [(int(source), int(target))]) if source != target else value
+    """``value`` moved from member ``source`` to member ``target`` (torch's blocking
+    ``dist.send``/``recv``): one ppermute that both call (``value`` a buffer of the right shape on
+    the receiver), run at once with just what it needs, so the sender's and the receiver's
+    programs hold the same collective in the order they call. The receiver's result."""
+    if source == target:
+        return value
+    result = collective_permute(value, [(int(source), int(target))])
+    from torchacc.lazy.record import value_of
+
+    v = value_of(result)
+    if v.node is not None:
+        execute.run([v], donate=False)
+    return result
 
 
 # --------------------------------------------------------------------------------------------

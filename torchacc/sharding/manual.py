@@ -126,13 +126,14 @@ def begin_collective_compile():
 
 
 def fingerprint(graph):
-    """The collectives a graph holds, in order: name and output shapes (what ranks must agree
-    on)."""
+    """The collectives a graph holds, in order: name, output shapes and static arguments (the
+    reduction, groups, pairs: what ranks must agree on)."""
     parts = []
     for node in graph.order:
         if getattr(node.op.rule.fn, "torchacc_collective", False):
             shapes = [None if d is None else tuple(d[0]) for d in node.op.descs]
-            parts.append(f"{node.op.rule.name}{shapes}")
+            statics = [a for a in node.op.args if isinstance(a, str)]  # op, groups, pairs
+            parts.append(f"{node.op.rule.name}{shapes}{statics}")
     return ";".join(parts)
 
 
