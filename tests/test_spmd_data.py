@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from spmd_launch import torchrun_case
+from spmd_launch import launch_gpt_tiny, torchrun_case
 
 
 @pytest.mark.slow
@@ -94,3 +94,33 @@ def test_processes_per_machine_split_its_gpus_in_spmd_mode(monkeypatch):
     assert processes._local_device_ids(0) is None  # one process per machine: all its GPUs
     monkeypatch.setattr(processes, "wants_all_local_devices", lambda: False)
     assert processes._local_device_ids(3) == [3]  # one device per process
+
+
+@pytest.mark.slow
+def test_launcher_fsdp_compiler_runs_n_processes_each_reading_its_share(tmp_path):
+    """launch_single_task.py --compiler-opt --fsdp --nproc_per_node 2 (2 CPU devices each): each
+    process reads its half of every batch (4 of 8 samples), uploads only that, and gpt-tiny
+    trains with the losses of one eager process on the whole batch."""
+    proc, sharded = launch_gpt_tiny(
+        tmp_path,
+        "fsdp2x2",
+        "--compiler-opt",
+        "--fsdp",
+        "--nproc_per_node=2",
+        "--batch_size=4",
+        PJRT_DEVICE="CPU",
+        CPU_NUM_DEVICES=2,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    log = proc.stdout + proc.stderr
+    assert "fsdp: mesh data=1 x fsdp=4" in log, log[-3000:]
+    # gpt-tiny's batch: ids and targets of 4 x 64 int64 per process, half of the global 8 rows
+    assert (
+        "this process uploads 4,096 bytes per step, its share of the global batch (4,096 of "
+        "8,192 bytes: 1/2)" in log
+    ), log[-3000:]
+    proc, eager = launch_gpt_tiny(tmp_path, "eager")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert len(sharded["losses"]) == 4
+    for a, b in zip(sharded["losses"], eager["losses"]):
+        assert abs(a - b) <= 1e-5, (sharded["losses"], eager["losses"])
