@@ -47,6 +47,9 @@ def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
         count = r["count_error"]
         assert count is not None and "process 0: the loader ended after 2 batches" in count
         assert "process 1: batch[0]: float32[4, 16]" in count, count
+        split = r["split_error"]
+        assert split is not None and "local shape (3, 16) (global (6, 16)" in split, split
+        assert "make each process's batch size a multiple of its device count" in split, split
     assert results[0]["gpt"]["losses"] == results[1]["gpt"]["losses"]
 
 

@@ -197,6 +197,8 @@ def disagreeing(kind):
     """Local batches that differ across ranks: each rank must get a ValueError, not a hang."""
     if kind == "shape":  # rank 1's batches hold 3 rows, rank 0's 4
         batches = [(torch.zeros(4 - RANK, 16),) for _ in range(2)]
+    elif kind == "split":  # 3 rows on every rank: not a multiple of its 2 devices
+        batches = [(torch.zeros(3, 16),)]
     else:  # rank 1 has one batch more
         batches = [(torch.zeros(4, 16),) for _ in range(2 + RANK)]
     try:
@@ -214,5 +216,6 @@ result["accelerate_fsdp_outer"] = accelerate_fsdp(["fsdp", "dp", "pp", "tp"])
 result["global_batch"] = g.cpu()[:, 0].tolist()
 result["shape_error"] = disagreeing("shape")
 result["count_error"] = disagreeing("count")
+result["split_error"] = disagreeing("split")
 with open(f"{out}.{RANK}.json", "w") as f:
     json.dump(result, f)
