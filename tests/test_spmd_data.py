@@ -33,7 +33,13 @@ def test_each_process_feeds_its_share_of_the_global_batch(tmp_path):
         # fsdp, the default topology) or across them (topology fsdp first)
         # (which processes hold fc1.weight's first fsdp shard: one per dp replica, or only the
         # fsdp group's first process)
-        for case, shard0 in (("accelerate", [0, 1]), ("accelerate_fsdp_outer", [0, 0])):
+        # (tp: fc1's output features split over each process's 2 devices, the batch over dp)
+        cases = (
+            ("accelerate", [0, 1]),
+            ("accelerate_fsdp_outer", [0, 0]),
+            ("accelerate_tp", [0, 1]),
+        )
+        for case, shard0 in cases:
             acc = r[case]
             assert max(abs(a - b) for a, b in zip(acc["losses"], acc["ref_losses"])) <= 1e-5, acc
             assert acc["param_err"] <= 1e-5, acc["param_err"]

@@ -145,7 +145,7 @@ class Pairs(torch.utils.data.Dataset):
         return self.x[i], self.y[i]
 
 
-def accelerate_fsdp(topology=None):
+def accelerate_fsdp(topology=None, tp=1):
     """ta.accelerate(model, per-rank loader, dist.fsdp.size=2) under torchrun: dp 2 x fsdp 2
     (``topology``: the mesh's axis order, default dp outer: fsdp within a process)."""
     torch.manual_seed(0)
@@ -155,7 +155,8 @@ def accelerate_fsdp(topology=None):
     dataset = Pairs(WORLD * LOCAL_BATCH * STEPS)
     hosts = loaders(dataset)
     config = ta.Config()
-    config.dist.fsdp.size = 2
+    config.dist.fsdp.size = 2 if tp == 1 else 1
+    config.dist.tp.size = tp
     if topology is not None:
         config.dist.topology = topology
     model, loader = ta.accelerate(model, hosts[RANK], config)
@@ -212,6 +213,7 @@ def disagreeing(kind):
 out = sys.argv[1]
 result = {"gpt": gpt_fsdp(), "accelerate": accelerate_fsdp()}
 result["accelerate_fsdp_outer"] = accelerate_fsdp(["fsdp", "dp", "pp", "tp"])
+result["accelerate_tp"] = accelerate_fsdp(tp=2)  # dp 2 x tp 2
 (g,) = data.global_batch((torch.full((2, 3), float(RANK)),))  # the trainer's per-step upload
 result["global_batch"] = g.cpu()[:, 0].tolist()
 result["shape_error"] = disagreeing("shape")
