@@ -291,6 +291,27 @@ def set_replication(device, devices):
 # failure handling
 
 
+def _dead_ranks():
+    """The ranks the coordination service no longer sees (best effort: [] when it cannot say)."""
+    client = _jax_distributed_client()
+    if client is None or _state.world is None:
+        return []
+    found = []
+
+    def ask():  # in a thread: the coordination service may be gone with rank 0
+        try:
+            found.append(set(client.get_live_nodes(list(range(_state.world)))))
+        except Exception:
+            pass
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(3.0)
+    if not found:
+        return []
+    return [r for r in range(_state.world) if r not in found[0] and r != _state.rank]
+
+
 def _install_fast_exit():
     if not env_flag("TORCHACC_FAST_EXIT"):
         return
@@ -308,7 +329,9 @@ def _install_fast_exit():
             text = str(value)
             hint = ""
             if "Gloo" in text or "NCCL" in text or "ollective" in text:
-                hint = " A collective failed: another rank has probably died (see its log)."
+                dead = _dead_ranks()
+                who = f"rank {', '.join(map(str, dead))}" if dead else "another rank"
+                hint = f" A collective failed: {who} has probably died (see its log)."
             print(
                 f"torchacc.distributed: rank {_state.rank} of {_state.world} stopped on an "
                 f"uncaught {tp.__name__}; exiting now so that the other ranks fail fast instead "

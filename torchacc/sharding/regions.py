@@ -295,8 +295,10 @@ def disable_manual_sharding(t, partition_spec, full_shape, mesh):
         refs = [ref(u) for u in n.inputs]
         steps.append((n.op.rule, n.op.args, n.op.kwargs, refs, list(n.scalars), n.op.descs))
     out_ref = ref(out_value)
+    from torchacc.ir.graph import fill
+
     region_graph = rules.IrRegion(
-        steps, [("arg", i) for i in range(len(args))], out_ref, ((local, t.dtype),)
+        steps, [("arg", i) for i in range(len(args))], out_ref, ((local, t.dtype),), fill
     )
     key = "manual-" + _digest(steps, out_ref, specs, local)
     traced_regions.ops.GRAPHS.setdefault(key, region_graph)

@@ -434,15 +434,15 @@ class IrRegion:
     """A manual region made of recorded nodes (between enable_ and disable_manual_sharding): it
     replays them with their rules on the blocks, like a step's program (program/build.py)."""
 
-    def __init__(self, nodes, inputs, out, out_meta):
+    def __init__(self, nodes, inputs, out, out_meta, fill):
+        self.fill = fill  # ir.graph.fill (passed in: the ir stage is above this one)
         self.nodes = nodes  # [(rule, args, kwargs, input refs, scalars, descs)]
         self.inputs = inputs  # refs of the region's arguments, in order
         self.out = out  # ref of the result
         self.out_meta = out_meta
 
     def run(self, arrays):
-        from torchacc.ir.graph import fill
-
+        fill = self.fill
         env = dict(zip(self.inputs, arrays))
         for k, (rule, args, kwargs, refs, scalars, descs) in enumerate(self.nodes):
             ins = [env[r] for r in refs]
