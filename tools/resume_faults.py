@@ -81,27 +81,31 @@ def _env(**extra):
 
 
 def start(world, ckpt, log, steps, restarts=0, async_save=False, **env):
+    """Start a job; its output goes to ``log.out`` (a pipe nobody reads could block it)."""
     cmd = command(world, ckpt, log, steps, restarts, async_save)
-    return subprocess.Popen(
+    out = open(f"{log}.out", "w")
+    proc = subprocess.Popen(
         cmd,
         env=_env(**env),
-        stdout=subprocess.PIPE,
+        stdout=out,
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
     )
+    proc.output = lambda: open(f"{log}.out").read()
+    return proc
 
 
 def run(world, ckpt, log, steps, timeout=300, **kw):
     """Run a job to its end: (return code, output)."""
     proc = start(world, ckpt, log, steps, **kw)
     try:
-        out, _ = proc.communicate(timeout=timeout)
+        proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return 124, out
-    return proc.returncode, out
+        proc.wait()
+        return 124, proc.output()
+    return proc.returncode, proc.output()
 
 
 def records(log, world):
@@ -148,7 +152,8 @@ def kill_at(proc, log, world, moment, step, delay, target, timeout=240):
         if any(r.get("event") == moment and r.get("step") == step for r in recs[0]):
             break
         if proc.poll() is not None:
-            return None, "the job ended before the moment"
+            out = proc.output()
+            return None, f"the job ended ({proc.returncode}) before the moment: {_errors(out)}"
         time.sleep(0.01)
     else:
         return None, "the moment never came"
@@ -166,10 +171,10 @@ def kill_at(proc, log, world, moment, step, delay, target, timeout=240):
     else:
         os.kill(pids[int(target[-1])], signal.SIGKILL)
     try:
-        proc.communicate(timeout=60)
+        proc.wait(timeout=60)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
+        proc.wait()
         return None, "HANG: the job was still running 60 s after the kill"
     while any(_alive(p) for p in pids) and time.time() - killed_at < 60:
         time.sleep(0.1)

@@ -278,16 +278,17 @@ class CheckpointManager:
         return True
 
     def save_async(self, step, state_dict, force=False):
-        """Like :meth:`save`, but writes in a background thread: the state is first copied to
-        the host (this process's unique shards), so training may go on. Blocks while
-        ``max_pending_async`` saves are in flight; :meth:`join` waits for them."""
+        """Like :meth:`save`, but writes in a background thread while training goes on: this
+        process's unique shards are first copied on their devices and read to the host block by
+        block as they are written (Note [Asynchronous saves] in checkpoint.py). Waits, before
+        copying, while ``max_pending_async`` saves are in flight; :meth:`join` waits for them."""
         if not (force or self.should_save(step)):
             return False
         # the slot first, then the copy: at most max_pending_async host copies exist at a time
         self._async_sem.acquire()
         try:
-            host = engine.snapshot(resolve_stateful(state_dict)[0])
-            future = self._pool.submit(self._save, step, host)
+            copy = engine.snapshot(resolve_stateful(state_dict)[0], on_device=True)
+            future = self._pool.submit(self._save, step, copy)
         except BaseException:
             self._async_sem.release()
             raise
