@@ -18,7 +18,7 @@ import torchacc as ta
 from gallery.common.data import EpochBatches
 from gallery.gpt.data import PackedMockTokens
 from torchacc.distributed.checkpoint import prime_optimizer
-from torchacc.distributed.checkpoint_manager import CheckpointError, CheckpointManager
+from torchacc.distributed.checkpoint_manager import CheckpointError, CheckpointManager, RNGState
 from torchacc.distributed.data_state import DataStateError, StatefulDistributedSampler
 from torchacc.parallel.sampler import DistributedSampler as ParallelSampler
 
@@ -320,3 +320,41 @@ def test_incomplete_saves_are_named_and_the_newest_complete_one_is_used(run4, tm
         mgr = CheckpointManager(str(base), save_interval=2)
     assert mgr.latest_step() == 6 and mgr.incomplete == [".tmp-8"]
     assert "skipping incomplete checkpoints" in caplog.text and ".tmp-8" in caplog.text
+
+
+def test_rng_state_resumes_the_dropout_streams(tmp_path):
+    """Dropout on the torchacc device: restoring the checkpoint with ``RNGState`` continues the
+    saved run's random streams (the same losses, bit for bit); without it they differ."""
+
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(4, 32), nn.Dropout(0.5), nn.Linear(32, 1)).to(DEV)
+        opt = prime_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
+        return model, opt
+
+    x = _features(torch.arange(8)).to(DEV)
+
+    def steps(model, opt, n, mgr=None, rng=None):
+        out = []
+        for step in range(1, n + 1):
+            loss = model(x).pow(2).mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            ta.sync()
+            out.append(loss.item())
+            if mgr is not None and step == 2:
+                mgr.save(2, {"model": model.state_dict(), "rng": rng})
+        return out
+
+    mgr = CheckpointManager(str(tmp_path), save_interval=2)
+    ref = steps(*setup(), 4, mgr, RNGState())
+    for with_rng in (True, False):
+        model, opt = setup()
+        torch.manual_seed(123)  # another stream, as a new process would have
+        state = {"model": model.state_dict()}
+        if with_rng:
+            state["rng"] = RNGState()
+        mgr.restore(2, state)
+        got = steps(model, opt, 2)
+        assert (got == ref[2:]) == with_rng, (with_rng, got, ref[2:])

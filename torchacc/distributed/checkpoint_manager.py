@@ -59,6 +59,39 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be restored into this state; the message names its directory."""
 
 
+class RNGState:
+    """The random streams of this process as a stateful checkpoint entry (``{"rng":
+    RNGState()}``): the torchacc device's generator and the CPU generator. Restored, dropout
+    and other random ops continue the saved run's streams (the same layout: one process's
+    streams are not split over another number of processes). In a job of several processes
+    each rank saves and restores its own entry (``rank<r>``)."""
+
+    def _rank(self):
+        return dist.get_rank() if _distributed() else 0
+
+    def state_dict(self):
+        from torchacc.engine.execute import fetch
+        from torchacc.lazy import random as device_rng
+
+        words = fetch(device_rng.state_value(), torch.uint32).tolist()
+        mine = {"device": (int(words[0]) << 32) | int(words[1]), "cpu": torch.get_rng_state()}
+        return {"kind": "RNGState", f"rank{self._rank()}": mine}
+
+    def load_state_dict(self, state, source=None):
+        from torchacc.lazy import random as device_rng
+
+        mine = state.get(f"rank{self._rank()}") if isinstance(state, dict) else None
+        if mine is None:
+            where = f"{source}: " if source else ""
+            raise CheckpointError(
+                f"{where}no RNG state of rank {self._rank()} (saved: "
+                f"{sorted(k for k in state if k.startswith('rank'))}); RNG streams resume only on "
+                "the layout that saved them"
+            )
+        torch.set_rng_state(mine["cpu"])
+        device_rng.manual_seed(int(mine["device"]))
+
+
 def _is_stateful(v):
     return isinstance(v, Stateful) and not isinstance(v, torch.Tensor)
 
@@ -320,7 +353,7 @@ class CheckpointManager:
         metadata = check_checkpoint(path)
         resolved, stateful = resolve_stateful(state_dict)
         try:
-            check_keys(resolved, metadata)
+            check_keys(resolved, metadata, subset={keys[0] for keys, _ in stateful})
             engine.check_state_dict(resolved, metadata)
         except ValueError as e:
             raise CheckpointError(f"{path}: {e}") from None
@@ -417,9 +450,10 @@ def check_checkpoint(path):
     return metadata
 
 
-def check_keys(state_dict, metadata):
+def check_keys(state_dict, metadata, subset=()):
     """Within each top-level entry of ``state_dict``, its flat keys must be the checkpoint's
-    (a checkpoint of another model); top-level entries it lacks are not read."""
+    (a checkpoint of another model); top-level entries it lacks are not read. An entry in
+    ``subset`` (a stateful object's, which checks its own state) may have fewer keys."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     flat, _ = flatten_state_dict(state_dict)
@@ -430,6 +464,8 @@ def check_keys(state_dict, metadata):
         if ours == theirs:
             continue
         missing, extra = sorted(ours - theirs), sorted(theirs - ours)
+        if top in subset and not missing:
+            continue
         parts = []
         if missing:
             parts.append(f"{len(missing)} keys missing in the checkpoint (e.g. {missing[0]!r})")
