@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from torchacc import metrics
-from torchacc.dynamo import bridge, spmd
+from torchacc.dynamo import bridge, collective
 from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
@@ -172,7 +172,9 @@ class JaxPiece:
             if n.op == "placeholder" and isinstance(_val(n), (int, torch.SymInt))
         )
         self.n_ops = sum(1 for n in seg.nodes if n.op == "call_function")
-        self.collective = spmd.has_collective(seg.nodes)  # one SPMD program over the mesh
+        self.collective = collective.has_collective(
+            seg.nodes
+        )  # one manual region over the process axis
         # symbolic sizes (dynamic shapes): one executable per set of input shapes
         self.dynamic = any(
             isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape)
@@ -215,7 +217,7 @@ class JaxPiece:
             )
         start = time.perf_counter()
         if self.collective:
-            exe = spmd.compile(self.function(statics), key, *arrays)
+            exe = collective.compile(self.function(statics), key, *arrays)
         else:
             exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
         metrics.record_time("DynamoCompileTime", time.perf_counter() - start)

@@ -462,7 +462,7 @@ XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_S
 def _get_xla_sharding_spec(tensor):
     """``tensor``'s sharding in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
     last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none."""
-    from torchacc.distributed import sharding
+    from torchacc.sharding import api as sharding
 
     t = getattr(tensor, "global_tensor", tensor)
     if not sharding.is_spmd():
