@@ -281,7 +281,7 @@ def main(argv=None):
                 if moment == "save-begin"
                 else (rng.randrange(2, args.steps - 1))
             )
-            delay = rng.choice([0.0, rng.uniform(0, 0.05), rng.uniform(0.05, 0.5)])
+            delay = rng.choice([0.0, rng.uniform(0, 0.02), rng.uniform(0.02, 0.15)])
             target = rng.choice(
                 ["rank0", "rank1", "launcher"][: args.world + 1 if args.world > 1 else 1]
             )
