@@ -358,3 +358,24 @@ def test_rng_state_resumes_the_dropout_streams(tmp_path):
         mgr.restore(2, state)
         got = steps(model, opt, 2)
         assert (got == ref[2:]) == with_rng, (with_rng, got, ref[2:])
+
+
+def test_launcher_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
+    from gallery.common.checkpoint import (
+        FORMAT_VERSION,
+        NewerCheckpointError,
+        load_checkpoint,
+        resolve_checkpoint,
+        save_checkpoint,
+    )
+
+    state = {"model": {"w": torch.ones(2)}, "optimizer": {}, "step": 3}
+    old = save_checkpoint(str(tmp_path), state, 3)
+    assert load_checkpoint(old)["format_version"] == FORMAT_VERSION
+    newer = save_checkpoint(str(tmp_path), {**state, "step": 4}, 4)
+    torch.save({**state, "step": 4, "format_version": FORMAT_VERSION + 1}, newer)
+    pattern = rf"{newer}: checkpoint format version {FORMAT_VERSION + 1} was written by a newer"
+    with pytest.raises(NewerCheckpointError, match=pattern):
+        load_checkpoint(newer)
+    with pytest.raises(NewerCheckpointError, match=pattern):  # not skipped as if damaged
+        resolve_checkpoint(str(tmp_path))
