@@ -102,11 +102,22 @@ def main(argv=None):
         torch.randint(0, vocab, (args.batch, args.seq + 1), generator=g).to(dev) for _ in range(2)
     ]
     times, during, writes, grown = [], [], [], []
-    pending = None  # (step it started, time) of the save in flight
     peak = _Peak()
     base_rss = None
+
+    def in_flight():
+        return any(not f.done() for f in mgr._futures)
+
+    def finished(started):
+        def done(_):
+            writes.append(time.perf_counter() - started)
+            grown.append(peak.peak - base_rss)
+
+        return done
+
     for step in range(1, args.steps + 1):
         tokens = batches[step % 2]
+        busy = in_flight()
         t0 = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -116,28 +127,21 @@ def main(argv=None):
         ta.sync(wait=True)
         saving = step % args.save_every == 0 and step > args.warmup
         if saving:
-            base_rss = _rss()
-            peak.reset()
+            if not in_flight():
+                base_rss = _rss()
+                peak.reset()
             state = {"model": model.state_dict(), "optim": opt.state_dict()}
+            started = time.perf_counter()
             if args.sync:
                 mgr.save(step, state)
+                finished(started)(None)
             else:
                 mgr.save_async(step, state)
-            pending = (step, time.perf_counter())
+                mgr._futures[-1].add_done_callback(finished(started))
         dt = time.perf_counter() - t0
-        in_flight = pending is not None and (
-            saving or any(not f.done() for f in mgr._futures) or args.sync
-        )
         if step > args.warmup:
-            (during if in_flight else times).append(dt)
-        if pending is not None and all(f.done() for f in mgr._futures):
-            writes.append(time.perf_counter() - pending[1])
-            grown.append(peak.peak - base_rss)
-            pending = None
+            (during if busy or saving or in_flight() else times).append(dt)
     mgr.join()
-    if pending is not None:
-        writes.append(time.perf_counter() - pending[1])
-        grown.append(peak.peak - base_rss)
     peak.stop()
     normal = statistics.median(times) if times else float("nan")
     result = {

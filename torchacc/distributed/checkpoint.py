@@ -210,11 +210,14 @@ def snapshot(state_dict, on_device=False):
     clones, other values deep copies (what an asynchronous save writes while the next steps
     run)."""
     flat, _ = flatten_state_dict(state_dict)
-    out = {}
+    out, seen = {}, {}  # one copy of a tensor under several names (tied weights)
     for k, v in flat.items():
         if _on_device(v):
-            shards = unique_shards(v)
-            out[k] = shards.on_device() if on_device else shards.on_host()
+            key = (id(_device_array(v)), tuple(v.shape), v.dtype)  # detach() makes new tensors
+            if key not in seen:
+                shards = unique_shards(v)
+                seen[key] = shards.on_device() if on_device else shards.on_host()
+            out[k] = seen[key]
         elif isinstance(v, Shards):
             out[k] = v.on_device() if on_device else v.on_host()
         elif isinstance(v, torch.Tensor):
