@@ -62,7 +62,12 @@ import torch
 import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
-from torchacc.distributed.data_state import STATE_VERSION, DataStateError, check_state
+from torchacc.distributed.data_state import (
+    STATE_VERSION,
+    DataStateError,
+    check_state,
+    load_with_source,
+)
 from torchacc.lazy.device import DEVICE_TYPE
 
 _END = object()
@@ -432,10 +437,7 @@ class AsyncLoader:
                 f"loader's are {self.buckets}; nothing was changed"
             )
         if host is not None:
-            try:
-                target.load_state_dict(host, source=source)
-            except TypeError:
-                target.load_state_dict(host)
+            load_with_source(target, host, source)
             self._skip = 0
         else:
             self._skip = state["batches"]

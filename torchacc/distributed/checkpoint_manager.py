@@ -48,6 +48,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.stateful import Stateful
 
 from torchacc.distributed import checkpoint as engine
+from torchacc.distributed.data_state import load_with_source
 
 MANAGER_METADATA = ".manager_metadata"
 _TMP = ".tmp-"
@@ -138,10 +139,7 @@ def _get(d, path):
 def _load_stateful(obj, state, source):
     if isinstance(obj, torch.nn.Module):
         return  # its tensors were loaded in place
-    try:
-        obj.load_state_dict(state, source=source)
-    except TypeError:
-        obj.load_state_dict(state)
+    load_with_source(obj, state, source)
 
 
 def _distributed():

@@ -37,6 +37,7 @@ __all__ = [
     "DataStateError",
     "StatefulDistributedSampler",
     "check_state",
+    "load_with_source",
     "epoch_order",
     "resplit",
 ]
@@ -98,6 +99,17 @@ def check_state(state, kind, expected, source=None):
                 f"{where}{kind} state is for another dataset: its {name} is "
                 f"{state.get(name)!r}, this {kind}'s is {value!r}; nothing was changed"
             )
+
+
+def load_with_source(obj, state, source):
+    """``obj.load_state_dict(state)``, passing ``source`` (for its messages) if it takes one."""
+    import inspect
+
+    try:
+        takes = "source" in inspect.signature(obj.load_state_dict).parameters
+    except (TypeError, ValueError):
+        takes = False
+    return obj.load_state_dict(state, source=source) if takes else obj.load_state_dict(state)
 
 
 class StatefulDistributedSampler(torch.utils.data.DistributedSampler):
