@@ -48,9 +48,6 @@ args = p.parse_args()
 
 world = int(os.environ.get("WORLD_SIZE", "1"))
 rank = int(os.environ.get("RANK", "0"))
-if world > 1:
-    dist.init_process_group("gloo")
-dev = ta.device()
 log = open(f"{args.log}.{rank}", "a", buffering=1)
 
 
@@ -61,6 +58,16 @@ def emit(**kw):
 
 
 emit(pid=os.getpid(), attempt=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+if world > 1:
+    # a restarted attempt may find the previous attempt's keys in torchrun's store (its gloo
+    # addresses: connecting to them hangs): each attempt's keys under a prefix of their own
+    base, _, _ = next(dist.rendezvous("env://", rank, world))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"resume_worker/attempt{attempt}", base)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+emit(event="process-group")
+dev = ta.device()
+emit(event="device")
 fault = os.environ.get("RESUME_FAULT")
 fault_rank, fault_step = map(int, fault.split(":")) if fault else (-1, -1)
 first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"

@@ -4,8 +4,9 @@
 
 A job is tests/resume_worker.py: a tiny MLP trained data-parallel on ``--world`` processes
 (torchrun, one torchacc device each), a DCP checkpoint (model, AdamW, loader) every 2 steps.
-Each trial (its own fixed seed) starts the job, waits for a random moment -- inside a save (sync
-or ``--async_save``) or a step, at a random step, after a random delay -- and sends SIGKILL to
+Each trial (its own fixed seed) starts the job, waits for a random moment -- the start of a save
+(sync or ``--async_save``), the moment its ``.tmp-<step>`` directory appears (DCP writing), or
+the start of a step, at a random step, after a random delay -- and sends SIGKILL to
 rank 0, rank 1 or the launcher (then to the workers too: the node is gone). It checks that every
 process is gone within 60 s, then resumes from the same checkpoint directory on the same layout
 or on one process, and compares with the uninterrupted runs of both layouts:
@@ -147,7 +148,13 @@ def kill_at(proc, log, world, moment, step, delay, target, timeout=240):
     """Wait for ``moment`` (``save-begin``/``step-begin``) of ``step`` on rank 0, sleep
     ``delay``, SIGKILL ``target``; (seconds until every process was gone, what was seen)."""
     deadline = time.time() + timeout
+    ckpt = os.path.join(os.path.dirname(log), os.path.basename(log).split(".")[0])
     while time.time() < deadline:
+        if moment == "save-write":  # the save's directory exists: DCP is writing into it
+            if os.path.isdir(os.path.join(ckpt, f".tmp-{step}")):
+                break
+            time.sleep(0.002)
+            continue
         recs = records(log, world)
         if any(r.get("event") == moment and r.get("step") == step for r in recs[0]):
             break
@@ -275,10 +282,10 @@ def main(argv=None):
                 problems.append("the log does not say which step it resumed from")
             gone = None
         else:
-            moment = rng.choice(["save-begin", "step-begin"])
+            moment = rng.choice(["save-begin", "save-write", "step-begin"])
             step = (
                 rng.randrange(2, args.steps - 1, 2)
-                if moment == "save-begin"
+                if moment.startswith("save")
                 else (rng.randrange(2, args.steps - 1))
             )
             delay = rng.choice([0.0, rng.uniform(0, 0.02), rng.uniform(0.02, 0.15)])
