@@ -379,3 +379,37 @@ def test_launcher_checkpoint_of_a_newer_format_is_refused_by_name(tmp_path):
         load_checkpoint(newer)
     with pytest.raises(NewerCheckpointError, match=pattern):  # not skipped as if damaged
         resolve_checkpoint(str(tmp_path))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_saves_the_data_position_and_refuses_another_dataset(tmp_path):
+    """The launcher's one-file checkpoint holds EpochBatches' position; resuming it names the
+    position it continues from, and on another dataset (--mock_samples) exits 2 naming the file
+    and the field."""
+    from gallery_harness import run_module
+
+    from gallery.common.checkpoint import load_checkpoint
+
+    common = ["--model=gpt-tiny", "--seq_len=16", "--batch_size=2", "--amp_level=O0"]
+    ck = tmp_path / "ckpt"
+    run_module("gallery.gpt.main", *common, "--mock_samples=8", "--max_steps=3", f"--save_dir={ck}")
+    (path,) = ck.iterdir()
+    data = load_checkpoint(str(path))["data"]
+    assert (data["kind"], data["epoch"], data["consumed"], data["dataset_len"]) == (
+        "EpochBatches",
+        0,
+        6,
+        8,
+    )
+    p = run_module(
+        "gallery.gpt.main",
+        *common,
+        "--mock_samples=10",
+        "--max_steps=4",
+        f"--resume={ck}",
+        expect_rc=2,
+    )
+    out = p.stdout + p.stderr
+    assert f"error: --resume {path}: EpochBatches state is for another dataset: its " in out
+    assert "dataset_len is 8, this EpochBatches's is 10" in out

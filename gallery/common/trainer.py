@@ -56,7 +56,13 @@ from gallery.common.launchlib import torchacc_launch
 from gallery.common.logger import create_logger, enable_torchacc_kernel, log_params
 from gallery.common.observe import RunBoard, StepProfiler
 from gallery.common.report import Report
-from gallery.common.saving import Saver, interrupt_line, load_resume, restore
+from gallery.common.saving import (
+    Saver,
+    interrupt_line,
+    load_resume,
+    restore,
+    resume_data_position,
+)
 from gallery.common.saving import unwrap as _unwrap
 
 _launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
@@ -207,13 +213,17 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     autocast_context_manager = door.autocast(amp_dtype)
     compiled_step = door.compiled_step(task, model, optimizer, scaler, autocast_context_manager)
     start_step = door.open_checkpoints(model, optimizer) or 0
+    data_state = ckpt_path = None
     if ckpt is not None:
         start_step = restore(ckpt, optimizer, scaler)
+        data_state, ckpt_path = ckpt.get("data"), ckpt.get("path")
         del ckpt
 
     # ---- data
     loader = door.loader(dataset, _default_workers(args))
     steps_per_epoch = loader.steps_per_epoch
+    if data_state is not None:  # the saved data position, checked against this run's data
+        resume_data_position(loader, data_state, ckpt_path, start_step, rank, logger)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * steps_per_epoch
     steps_to_run = max(total_steps - start_step, 0)
     warmup = args.warmup_steps if args.warmup_steps is not None else min(5, steps_to_run // 2)
@@ -255,7 +265,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             kind = "lazy" if door.compiler else "dynamo" if door.dynamo else "eager"
             prof = StepProfiler(args.profile, args.profile_dir, kind, door.cuda, logger.info)
 
-    save = Saver(args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps)
+    save = Saver(
+        args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps, loader=loader
+    )
     report = Report(
         args,
         task,
