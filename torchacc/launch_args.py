@@ -34,6 +34,7 @@ LAUNCH_ONLY = (
     "node_rank",
     "master_addr",
     "master_port",
+    "max_restarts",
     "oversubscribe",
     "script",
     "script_args",
@@ -175,6 +176,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--nnodes", type=_int_at_least(1, "nnodes"), default=1, help="number of nodes")
     g.add_argument(
         "--node_rank", type=_int_at_least(0, "node_rank"), default=0, help="rank of this node"
+    )
+    g.add_argument(
+        "--max_restarts",
+        type=_int_at_least(0, "max_restarts"),
+        default=0,
+        help="restart the workers up to N times after a failure (torchrun's --max-restarts); "
+        "with --save_dir each restart resumes from its newest checkpoint",
     )
     g.add_argument("--master_addr", default=None, help="rendezvous host (default 127.0.0.1)")
     g.add_argument(

@@ -176,10 +176,26 @@ def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | No
     if err:
         raise _exit_reported(2, f"error: {err}", rank)
     _ensure_distributed_env()
+    _resume_after_restart(args, rank)
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
         os.environ["TORCHACC_KERNEL_OPT"] = "1"
     return train(task_factory(args), args)
+
+
+def _resume_after_restart(args: argparse.Namespace, rank: int) -> None:
+    """A worker restarted by torchrun (``--max_restarts``) resumes from ``--save_dir``'s newest
+    checkpoint when it has one (and no ``--resume`` was given), and says so."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or args.resume or not args.save_dir or not os.path.isdir(args.save_dir):
+        return
+    from gallery.common.checkpoint import list_checkpoints
+
+    sharded = [n for n in os.listdir(args.save_dir) if n.isdigit()]
+    if list_checkpoints(args.save_dir) or sharded:
+        args.resume = args.save_dir
+        if rank == 0:
+            print(f"restart {attempt}: resuming from {args.save_dir}", flush=True)
 
 
 def _default_workers(args: argparse.Namespace) -> int:
