@@ -9,9 +9,11 @@ save of model + optimizer state (DCP, ``save_async``) starts at every ``--save-e
 the steps from that one until the save's write has finished are "during a save", the others
 (after warm-up) "normal". Prints one JSON line: the median normal step, the median and the
 largest step during a save, their ratio (issue 42 asks <= 1.2), the seconds a save's write took,
-the bytes of this process's shards and the host memory the process grew by during the saves
-(peak RSS over the pre-save level; on a CPU device it includes the on-device copy, Note
-[Asynchronous saves] in torchacc/distributed/checkpoint.py). ``--sync`` measures ``save`` (the
+the bytes of this process's shards (a tied weight counted under each name) and the host memory
+the process grew by during the saves (peak RSS over the pre-save level, which includes the
+steps' own working memory: ``normal_step_growth_MiB`` is that of a step with no save; on a CPU
+device it includes the on-device copy, Note [Asynchronous saves] in
+torchacc/distributed/checkpoint.py). ``--sync`` measures ``save`` (the
 blocking one) instead, for comparison.
 """
 
@@ -115,9 +117,13 @@ def main(argv=None):
 
         return done
 
+    normal_peaks = []  # RSS growth of a step with no save in flight: its own working memory
     for step in range(1, args.steps + 1):
         tokens = batches[step % 2]
         busy = in_flight()
+        if not busy:
+            step_base = _rss()
+            peak.reset()
         t0 = time.perf_counter()
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
@@ -126,6 +132,8 @@ def main(argv=None):
         opt.step()
         ta.sync(wait=True)
         saving = step % args.save_every == 0 and step > args.warmup
+        if not busy and step > args.warmup:
+            normal_peaks.append(peak.peak - step_base)
         if saving:
             if not in_flight():
                 base_rss = _rss()
@@ -161,6 +169,7 @@ def main(argv=None):
         "save_write_s": [round(w, 2) for w in writes],
         "local_shard_MiB": round(shard_bytes / 2**20, 1),
         "host_growth_MiB": [round(g / 2**20, 1) for g in grown],
+        "normal_step_growth_MiB": round(max(normal_peaks) / 2**20, 1) if normal_peaks else None,
         "loss": float(loss.item()),
     }
     print(json.dumps(result), flush=True)
