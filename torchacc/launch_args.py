@@ -388,9 +388,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensorboard",
         metavar="DIR",
         default=None,
-        help="rank 0 writes TensorBoard scalars (loss, samples/s, step time, lr, peak memory, "
-        "compiles, loss scale) and the run's flags as hparams to DIR (needs the tensorboard or "
-        "tensorboardX package)",
+        help="rank 0 writes TensorBoard scalars (loss, samples/s, tokens/s, step time, lr, peak "
+        "memory, compiles, loss scale, TFLOP/s per device and MFU) and the run's flags as hparams "
+        "to DIR (needs the tensorboard or tensorboardX package)",
+    )
+    g.add_argument(
+        "--peak_tflops",
+        type=_positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="the device's dense peak TFLOP/s for the MFU in the log (default: from the device "
+        "kind, e.g. 989.4 for an H100 SXM in bf16; a CPU has none: MFU n/a)",
     )
     g.add_argument(
         "--profile",
@@ -473,19 +481,17 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--fsdp: language models only; with --compiler-opt one process per node (it drives all
-    of the node's devices); --mesh DATA,FSDP only with both."""
+    """--fsdp: language models only; with --compiler-opt the lazy path (each of the
+    --nproc_per_node processes drives its share of the node's devices and loads its share of the
+    data); --mesh DATA,FSDP only with both."""
     if args.mesh is not None and not (args.fsdp and args.compiler_opt):
         parser.error("--mesh is for --fsdp --compiler-opt (the SPMD mesh of the sharded step)")
     if not args.fsdp:
         return
     if not registry.lookup(args.model).shards:
         parser.error(f"--fsdp shards the gpt and llama models, not {args.model}")
-    if args.compiler_opt and (args.compile_mode == "dynamo" or args.nproc_per_node != 1):
-        parser.error(
-            "--fsdp --compiler-opt runs one lazy process per node that drives all its devices "
-            "(--nproc_per_node=1, --compile_mode=lazy)"
-        )
+    if args.compiler_opt and args.compile_mode == "dynamo":
+        parser.error("--fsdp --compiler-opt runs on the lazy path (--compile_mode=lazy)")
     if args.mesh is not None:
         try:
             data, fsdp = (int(x) for x in args.mesh.split(","))
