@@ -30,12 +30,15 @@ def reference(tmp_path_factory):
 
 
 def test_kill_9_during_a_save_keeps_the_last_checkpoint_and_resume_matches(reference, tmp_path):
-    ck, log = str(tmp_path / "ck"), str(tmp_path / "job.log")
+    ck, log = str(tmp_path / "job"), str(tmp_path / "job.log")  # the tool's naming
     proc = rf.start(1, ck, log, STEPS)
-    gone, seen = rf.kill_at(proc, log, 1, "save-begin", 4, 0.0, "rank0")
+    # the moment step 4's save directory appears: DCP is writing into it
+    gone, seen = rf.kill_at(proc, log, 1, "save-write", 4, 0.0, "rank0")
     assert gone is not None, seen
     complete = rf._complete(ck)
     assert complete in ([2], [2, 4]), complete  # step 4's save was cut short (or just done)
+    if complete == [2]:
+        assert os.path.isdir(os.path.join(ck, ".tmp-4"))
     rc, out = rf.run(1, ck, log + ".resumed", STEPS)
     assert rc == 0, out[-3000:]
     assert f"resumed from step {complete[-1]}" in out
