@@ -461,13 +461,22 @@ XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_S
 
 def _get_xla_sharding_spec(tensor):
     """``tensor``'s sharding in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
-    last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none."""
+    last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none (uploaded data that no
+    ``mark_sharding`` laid out, as torch_xla says; a program's replicated result is
+    ``{replicated}``)."""
     from torchacc.distributed import sharding
 
     t = getattr(tensor, "global_tensor", tensor)
     if not sharding.is_spmd():
         return ""
-    return sharding.hlo_text(sharding.sharding_of(t), t.dim())
+    text = sharding.hlo_text(sharding.sharding_of(t), t.dim())
+    mark = getattr(t, "_torchacc_sharding", False)  # False: never marked, None: cleared
+    if text == "{replicated}" and not mark:
+        from torchacc.lazy.transfer import is_upload
+
+        if mark is None or is_upload(t):  # cleared, or uploaded and never marked
+            return ""
+    return text
 
 
 def _get_xla_sharding_type(tensor):

@@ -35,6 +35,10 @@ def _one_per_process():
     return xr.world_size()
 
 
+class MeshError(ValueError, AssertionError):
+    """A bad mesh: a ``ValueError`` naming the problem (torch_xla raises ``AssertionError``)."""
+
+
 class Mesh:
     """A logical mesh of the job's devices: global ordinals ``device_ids`` reshaped to
     ``mesh_shape`` (C order), with optional ``axis_names``. It must hold every device once."""
@@ -43,30 +47,37 @@ class Mesh:
         device_ids = np.asarray(device_ids).reshape(-1)
         mesh_shape = tuple(int(d) for d in mesh_shape)
         count = _device_count()
-        if int(np.prod(mesh_shape)) != len(device_ids):
-            raise ValueError(
-                f"Mesh: mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices, "
-                f"not the {len(device_ids)} device ids given"
-            )
-        if len(device_ids) != count:
-            raise ValueError(
-                f"Mesh: {len(device_ids)} device ids {device_ids.tolist()} for mesh_shape "
-                f"{mesh_shape}, but the job has {count} device(s)"
-                + ("" if engine.is_spmd() else " (one per process: SPMD mode is off)")
-            )
-        if len(np.unique(device_ids)) != len(device_ids):
-            raise ValueError(f"Mesh: repeated device ids in {device_ids.tolist()}")
-        if any(not 0 <= int(d) < count for d in device_ids):
-            raise ValueError(f"Mesh: device ids must be 0..{count - 1}, got {device_ids.tolist()}")
+        size = int(np.prod(mesh_shape))
         if axis_names is not None:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(mesh_shape):
-                raise ValueError(
-                    f"Mesh: {len(axis_names)} axis names {axis_names} for a "
-                    f"{len(mesh_shape)}-d mesh_shape {mesh_shape}"
+                raise MeshError(
+                    f"Mesh: Number of axis names {axis_names} ({len(axis_names)}) must match "
+                    f"mesh dimensions: mesh_shape {mesh_shape} has {len(mesh_shape)}"
                 )
             if len(set(axis_names)) != len(axis_names):
-                raise ValueError(f"Mesh: axis names must be unique, got {axis_names}")
+                raise MeshError(f"Mesh: Axis names must be unique, got {axis_names}")
+        if size != len(device_ids):
+            raise MeshError(
+                f"Mesh: Number of device IDs ({len(device_ids)}) must match mesh size: "
+                f"mesh_shape {mesh_shape} holds {size} devices"
+            )
+        if len(device_ids) != count:
+            raise MeshError(
+                f"Mesh: {len(device_ids)} device ids {device_ids.tolist()} for mesh_shape "
+                f"{mesh_shape}: Number of device IDs ({len(device_ids)}) must match the global "
+                f"number of devices, and the job has {count} device(s)"
+                + ("" if engine.is_spmd() else " (one per process: SPMD mode is off)")
+            )
+        if len(np.unique(device_ids)) != len(device_ids):
+            raise MeshError(
+                f"Mesh: Device IDs must be unique: repeated device ids in {device_ids.tolist()}"
+            )
+        if any(not 0 <= int(d) < count for d in device_ids):
+            raise MeshError(
+                f"Mesh: Device IDs must be less than mesh size ({count}) and not negative, got "
+                f"{device_ids.tolist()}"
+            )
         self.device_ids = device_ids
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
@@ -216,8 +227,9 @@ class ShardingType(enum.IntEnum):
 
 
 class XLAShard:
-    """One device's shard: ``data`` (a CPU copy), ``indices`` (slices into the global tensor, or
-    ``Ellipsis`` for a replicated tensor), ``replica_id`` and the device's ordinal."""
+    """One device's shard: ``data`` (a CPU copy), ``indices`` (a list of one ``slice`` per
+    dimension into the global tensor, or ``Ellipsis`` for a replicated tensor), ``replica_id``
+    and the device's ordinal."""
 
     def __init__(self, data, indices, replica_id, ordinal):
         self.data = data
@@ -270,10 +282,16 @@ class XLAShardedTensor(torch.Tensor):
 
     @property
     def local_shards(self):
-        shards = []
         replicated = self.sharding_type == ShardingType.REPLICATED
-        for data, index, replica, ordinal in engine.local_shards(self.global_tensor):
-            shards.append(XLAShard(data, Ellipsis if replicated else index, replica, ordinal))
+        local = engine.local_shards(self.global_tensor)
+        if replicated:
+            return [XLAShard(d, Ellipsis, r, o) for d, _, r, o in local]
+        # (a shard past a dimension's end holds only its part, unpadded, unlike torch_xla's
+        # zero-padded one: Note [Padded shards])
+        shards = []
+        for data, index, replica, ordinal in local:
+            slices = [slice(i.start, i.stop, 1) for i in index]
+            shards.append(XLAShard(data, slices, replica, ordinal))
         return shards
 
     def __repr__(self):
@@ -407,6 +425,10 @@ class ShardingSpec:
 
     def apply(self, t):
         mark_sharding(t, self.mesh, self.partition_spec)
+
+    def replicate(self, t):
+        """Lay ``t`` out replicated over the mesh (a loader's tensor the spec does not fit)."""
+        mark_sharding(t, self.mesh, (None,) * t.dim())
 
     def xla_spec(self, t):
         if not self.can_apply(t):
