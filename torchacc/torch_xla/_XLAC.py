@@ -479,6 +479,53 @@ def _get_xla_sharding_spec(tensor):
     return text
 
 
+def _global_tensor_from_cpu_shards(shards, op_sharding, global_shape=None):
+    """A device tensor laid out as ``op_sharding`` (``Mesh.get_op_sharding``) from one CPU shard
+    per device of this process, in device-ordinal order: every shard has the shape of a (padded)
+    tile; ``global_shape`` (default: the tiles put together) may leave padding off the end of a
+    dimension (Note [Padded shards]). Any other shape, or a wrong number of shards, is a
+    ``RuntimeError`` naming it."""
+    import jax
+
+    from torchacc.distributed import sharding as engine
+    from torchacc.engine.transfer import device_array_on
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.record import fresh
+
+    named = getattr(op_sharding, "named_sharding", None)
+    if not isinstance(named, jax.sharding.NamedSharding):
+        raise TypeError(
+            "_global_tensor_from_cpu_shards: op_sharding must come from xs.Mesh.get_op_sharding, "
+            f"got {type(op_sharding).__name__}"
+        )
+    devices = sorted(named.addressable_devices, key=engine.ordinal)
+    shards = list(shards)
+    call = "_global_tensor_from_cpu_shards"
+    if len(shards) != len(devices):
+        raise RuntimeError(f"{call}: {len(shards)} shards for the {len(devices)} devices here")
+    shape = tuple(shards[0].shape)
+    if any(tuple(x.shape) != shape or x.dtype != shards[0].dtype for x in shards):
+        raise RuntimeError(
+            f"{call}: shards differ in shape or dtype: {[tuple(x.shape) for x in shards]}"
+        )
+    if all(e is None for e in named.spec):  # replicated: any rank
+        named = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
+    elif len(named.spec) != len(shape):
+        raise RuntimeError(f"{call}: shards of rank {len(shape)} for a sharding of {named.spec}")
+    tiles = named.shard_shape(tuple(len(devices) * n for n in shape))  # per-dim split counts
+    parts = [len(devices) * n // t for n, t in zip(shape, tiles)]
+    padded = tuple(n * k for n, k in zip(shape, parts))
+    logical = padded if global_shape is None else tuple(global_shape)
+    if len(logical) != len(shape) or any(-(-g // k) != n for g, k, n in zip(logical, parts, shape)):
+        raise RuntimeError(
+            f"{call}: global shape {logical} does not fit {len(shards)} shards of shape {shape} "
+            f"split {parts} ways (padded global shape {padded})"
+        )
+    arrays = [device_array_on(x.contiguous(), d) for x, d in zip(shards, devices)]
+    array = jax.make_array_from_single_device_arrays(padded, named, arrays)
+    return fresh(Value(contiguous_desc(logical, shards[0].dtype), array=array))
+
+
 def _get_xla_sharding_type(tensor):
     """torch_xla's ShardingType number of ``tensor``'s sharding, None when replicated/none."""
     spec = _get_xla_sharding_spec(tensor)

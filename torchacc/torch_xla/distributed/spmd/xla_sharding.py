@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchacc.distributed import sharding as engine
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented
 
 _MANUAL = (
@@ -33,6 +34,16 @@ def _one_per_process():
     from torchacc.torch_xla import runtime as xr
 
     return xr.world_size()
+
+
+class OpSharding:
+    """A partition spec over a mesh, as ``Mesh.get_op_sharding`` returns it."""
+
+    def __init__(self, named_sharding):
+        self.named_sharding = named_sharding
+
+    def __repr__(self):
+        return f"OpSharding({self.named_sharding})"
 
 
 class MeshError(ValueError, AssertionError):
@@ -128,10 +139,10 @@ class Mesh:
             raise ValueError(f"{e} (xs.Mesh {self})") from None
 
     def get_op_sharding(self, partition_spec):
-        raise NotImplementedError(
-            "Mesh.get_op_sharding: XLA OpSharding objects belong to torch_xla's C++ runtime; "
-            "torchacc describes shardings as JAX NamedShardings (Mesh.named_sharding)"
-        )
+        """torch_xla's OpSharding of ``partition_spec`` over this mesh: here an object holding
+        the JAX ``NamedSharding`` (what ``_XLAC._global_tensor_from_cpu_shards`` takes)."""
+        spec = tuple(partition_spec)
+        return OpSharding(self.named_sharding(spec, (1,) * len(spec), "get_op_sharding"))
 
     def __str__(self):
         return (
@@ -247,17 +258,21 @@ class XLAShard:
 
 class XLAShardedTensor(torch.Tensor):
     """What ``mark_sharding`` returns: the annotated tensor (``global_tensor``) and its shards.
-    Used as a tensor it is its global tensor."""
+    Used as a tensor it is its global tensor; a wrapper of a tensor that needs a gradient is
+    differentiable (its gradient flows to ``global_tensor``); ``requires_grad=True`` makes a
+    leaf."""
 
     @staticmethod
-    def __new__(cls, global_tensor, *args, **kwargs):
+    def __new__(cls, global_tensor, *args, requires_grad=None, **kwargs):
+        if requires_grad is None and global_tensor.requires_grad and torch.is_grad_enabled():
+            return _Wrap.apply(global_tensor)
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             global_tensor.size(),
             strides=global_tensor.stride(),
             dtype=global_tensor.dtype,
             device=global_tensor.device,
-            requires_grad=global_tensor.requires_grad,
+            requires_grad=bool(requires_grad),
         )
         r.global_tensor = global_tensor
         return r
@@ -267,7 +282,8 @@ class XLAShardedTensor(torch.Tensor):
         import torch.utils._pytree as pytree
 
         unwrap = lambda x: x.global_tensor if isinstance(x, XLAShardedTensor) else x
-        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(_wrap_result, out)
 
     @property
     def sharding_spec(self):
@@ -296,6 +312,25 @@ class XLAShardedTensor(torch.Tensor):
 
     def __repr__(self):
         return f"XLAShardedTensor({self.global_tensor!r}, sharding={self.sharding_spec})"
+
+
+def _wrap_result(x):
+    """An op on a sharded tensor gives a sharded tensor (on the device), as torch_xla's does."""
+    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
+        return XLAShardedTensor(x, requires_grad=False)
+    return x
+
+
+class _Wrap(torch.autograd.Function):
+    """``XLAShardedTensor(t)`` for a ``t`` in an autograd graph: the wrapper keeps a grad_fn."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return XLAShardedTensor(t, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unwrap_sharded_tensor(grad)
 
 
 def wrap_as_sharded_tensor(t):
