@@ -93,11 +93,11 @@ def _tensor_of(array, dtype):
 
 def _rebind(t, array):
     st = t._st
-    if t._view is not None or st.desc != t._desc or st.desc != contiguous_desc(t.shape, t.dtype):
-        with torch.no_grad():  # not a whole contiguous base: an ordinary (recorded) write
+    if t._view is not None or st.desc is not t._desc and st.desc != t._desc:
+        with torch.no_grad():  # not a whole base tensor: an ordinary (recorded) write
             t.copy_(_tensor_of(array, t.dtype))
         return
-    st.value = Value(st.desc, array=array)
+    st.value = Value(st.desc, array=array)  # (a Value's array has its logical shape)
     st.version += 1
 
 

@@ -459,6 +459,25 @@ XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_S
 # --- SPMD ----------------------------------------------------------------------------------------
 
 
+def _ensure_xla_coordinator_initialized(global_rank, world_size, master_addr, master_port=None):
+    """torch_xla starts its distributed runtime's coordinator here; torchacc's process joins the
+    JAX multi-process runtime from torchrun's environment when it starts (torchacc/runtime/
+    processes.py), so this only checks that the job it joined is the one described."""
+    from torchacc.runtime import processes
+
+    processes.maybe_initialize()
+    have = processes.world_size() if processes.is_initialized() else 1
+    if int(world_size) != have:
+        raise RuntimeError(
+            f"_ensure_xla_coordinator_initialized(world_size={world_size}): this process runs in "
+            f"a job of {have} process(es); launch it with torchrun --nproc_per_node {world_size}"
+        )
+
+
+def _is_xla_coordinator_initialized():
+    return True
+
+
 def _get_xla_sharding_spec(tensor):
     """``tensor``'s sharding in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
     last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none (uploaded data that no
