@@ -27,15 +27,16 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
         ],
     ),
     ("frontends", ["torchacc.lazy", "torchacc.dynamo"]),
     ("engine", ["torchacc.engine"]),
-    ("program", ["torchacc.program"]),
+    ("program", ["torchacc.program", "torchacc.sharding.layout", "torchacc.sharding.manual"]),
     ("ir", ["torchacc.ir"]),
-    ("runtime", ["torchacc.runtime"]),
-    ("lowering", ["torchacc.lowering"]),
+    ("runtime", ["torchacc.runtime", "torchacc.sharding.mesh"]),
+    ("lowering", ["torchacc.lowering", "torchacc.sharding.rules"]),
     (
         "base",
         [
@@ -50,6 +51,16 @@ STAGES = [
 # frontends are independent of each other: the trace-once path reuses the stages below, not the
 # lazy recorder (and the other way round)
 SEPARATE = [("torchacc.dynamo", "torchacc.lazy"), ("torchacc.lazy", "torchacc.dynamo")]
+# front doors of the one engine (Note [One mesh] in torchacc/sharding/__init__.py) import the engine
+# (torchacc.sharding), never each other, and never the mesh's runtime half directly
+FRONT_DOORS = {
+    "torchacc.torch_xla.distributed.spmd": "torch_xla spmd",
+    "torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel": "torch_xla spmd",
+    "torchacc.parallel": "parallel",
+    "torchacc.horovod": "horovod",
+    "torchacc.accel": "accel",
+    "torchacc.nn": "nn",
+}
 
 
 def _modules():
@@ -139,6 +150,36 @@ def test_frontends_are_independent(importer, forbidden):
         if dep.startswith(forbidden)
     ]
     assert wrong == []
+
+
+def _door(module):
+    return next(
+        (v for d, v in FRONT_DOORS.items() if module == d or module.startswith(d + ".")), None
+    )
+
+
+def test_front_doors_import_the_engine_not_each_other():
+    wrong = []
+    for mod, deps in GRAPH.items():
+        door = _door(mod)
+        if door is None:
+            continue
+        for dep in deps:
+            other = _door(dep)
+            if other is not None and other != door:
+                wrong.append(f"{mod} imports {dep} (another front door)")
+            if dep == "torchacc.sharding.mesh" or dep.startswith("torchacc.runtime.mesh"):
+                wrong.append(f"{mod} imports {dep} (use torchacc.sharding.api)")
+    assert wrong == []
+
+
+def test_the_engine_has_one_home():
+    # the per-process and SPMD engines were merged into torchacc/sharding/ (issue 40)
+    for gone in ("torchacc.program.spmd", "torchacc.dynamo.spmd", "torchacc.runtime.mesh"):
+        assert gone not in MODULES
+    assert {"torchacc.sharding.mesh", "torchacc.sharding.manual", "torchacc.sharding.api"} <= set(
+        MODULES
+    )
 
 
 def _cycles():

@@ -149,10 +149,10 @@ def test_bad_arguments_raise_naming_the_problem():
 
 
 def test_collective_ops_compile_as_spmd_program():
-    """The recorded collective ops run through spmd.compile_spmd (a one-device mesh here)."""
+    """The recorded collective ops run through sharding.manual.compile_manual (one device here)."""
     from torchacc import program as compiler
     from torchacc.program.cache import _cache
-    from torchacc.program.spmd import SpmdExecutable
+    from torchacc.sharding.manual import ManualExecutable as SpmdExecutable
 
     ops = C.ops
     x = dev(torch.arange(6.0).reshape(2, 3))

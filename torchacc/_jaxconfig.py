@@ -32,5 +32,5 @@ def _cpu_device_count():
     return n
 
 
-if _cpu_device_count() is not None:  # Note [SPMD mode] in torchacc/runtime/mesh.py
+if _cpu_device_count() is not None:  # Note [SPMD mode] in torchacc/sharding/mesh.py
     jax.config.update("jax_num_cpu_devices", _cpu_device_count())

@@ -126,7 +126,7 @@ def test_compile_step_constraint_inside_the_step():
         _mark_2d(model, mesh)
         return model
 
-    from torchacc.lowering.sharding import shard_op
+    from torchacc.sharding.rules import shard_op
 
     runs = _two_runs(build, ("data", None), mesh, constrain=("data", "model"))
     _check(runs)

@@ -123,7 +123,7 @@ def _sdpa_as_flash_attention(original):
 
 def _average_gradients_over(module, dp):
     """Every gradient, once accumulated, is all-reduced (mean over ``dp`` ranks) in the step."""
-    from torchacc.distributed import collectives
+    from torchacc.sharding import collectives
 
     def reduce(param):
         collectives.all_reduce("sum", [param.grad], scale=1.0 / dp)
@@ -137,13 +137,12 @@ def _spmd_device_count():
     """The job's devices for a (dp, fsdp, tp) mesh. One process counts its devices without
     switching SPMD mode on (``_lazy_sharded`` does, once the config is valid); several processes
     must switch it on first, since they join the job with every local device."""
-    from torchacc.distributed import sharding
-    from torchacc.runtime import mesh
+    from torchacc.sharding import api as sharding
 
     if _world_size() > 1:
         sharding.use_spmd()
         return sharding.device_count()
-    return len(mesh.devices())
+    return len(sharding.devices())
 
 
 def _lazy_sharded(model, sizes):
@@ -152,8 +151,8 @@ def _lazy_sharded(model, sizes):
     parallel), ``fsdp`` dim 0 of every other parameter (ZeRO-3); a forward pre-hook splits the
     batch of the model's tensor inputs over dp x fsdp; XLA inserts every collective."""
     from torchacc.distributed import fsdp as zero
-    from torchacc.distributed import sharding
     from torchacc.lazy.device import device
+    from torchacc.sharding import api as sharding
 
     sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
@@ -183,8 +182,8 @@ def _lazy_sharded(model, sizes):
 
 
 def _lazy(model, sizes, spmd=False):
-    from torchacc.distributed import collectives
     from torchacc.lazy.device import device
+    from torchacc.sharding import collectives
 
     if spmd:
         return _lazy_sharded(model, sizes)

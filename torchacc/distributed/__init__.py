@@ -6,8 +6,9 @@ collectives on CPU, NCCL on GPU), so a collective recorded on a torchacc tensor 
 XLA program that the next ``torchacc.sync()`` runs -- there is no transport of our own.
 
 - ``torchacc.runtime.processes``: joins the job from torchrun's environment, rank / world size /
-  local rank; ``torchacc.program.spmd``: the process mesh and the SPMD compile described below.
-- ``collectives``: torch_xla-style ``all_reduce(reduce_type, inputs, scale)``, ``all_gather``,
+  local rank; ``torchacc.sharding``: the one engine (Note [One mesh]): the job-wide mesh, and
+  ``sharding.manual``, the compile of a program holding a collective described below.
+- ``sharding.collectives`` (also ``torchacc.distributed.collectives``): torch_xla-style ``all_reduce(reduce_type, inputs, scale)``, ``all_gather``,
   ``reduce_scatter``, ``broadcast(tensors, src)``, ``all_to_all``, ``broadcast_parameters`` on
   torchacc tensors (what ``xm.*`` calls); ``host``: ``barrier(tag)``, ``rendezvous``.
 - ``xla_backend``: the ``"xla"`` ``torch.distributed`` backend built on ``collectives``.
@@ -22,19 +23,20 @@ Note [Multi-process programs]
 A graph with no collective is compiled as before: a ``jax.jit`` program on this process's device,
 fed and returning single-device arrays; nothing changes for single-process runs. A graph holding at
 least one collective node (a rule marked ``torchacc_collective``) must run as *one* SPMD program on
-every process, so ``program.compiled_for`` hands it to ``program.spmd.compile_spmd``:
+every process, so ``program.compiled_for`` hands it to ``sharding.manual.compile_manual``, a
+manual region over the process axis of the job-wide mesh:
 
 - the step function is wrapped in ``jax.shard_map`` over a mesh with one device per process, axis
-  ``runtime.AXIS`` ("p"), ordered by rank, so ``jax.lax.psum(x, "p")`` and friends are the
-  collectives and ``jax.lax.axis_index("p")`` is the rank;
+  ``"process"``, ordered by rank, so ``jax.lax.psum(x, "process")`` and friends are the
+  collectives and ``jax.lax.axis_index("process")`` is the rank;
 - every input and output is declared *replicated* over that mesh (``PartitionSpec()``) with
   ``check_vma=False``. The arrays are not equal across processes (each holds its own batch,
   gradients, ...), but nothing reads the global view: inside ``shard_map`` each device sees its own
   block, and XLA inserts no communication for replicated operands of a manual computation. The
   pay-off is that the global array's one local shard has the local shape, so wrapping a local
-  array as a global one (``SpmdExecutable.__call__``) and taking the local result back
+  array as a global one (``ManualExecutable.__call__``) and taking the local result back
   (``addressable_data(0)``) are metadata operations -- no reshape kernels per tensor per step;
-- the returned ``SpmdExecutable`` is called exactly like a compiled single-device program (local
+- the returned ``ManualExecutable`` is called exactly like a compiled single-device program (local
   arrays in, local arrays out), so ``execute.run`` binds results as usual.
 
 Consequences: every process must run the same sequence of collective-bearing graphs (as in

@@ -16,7 +16,7 @@ replicated on another.) Each block is a DCP ``SHARD`` write item whose chunk is 
 offsets and sizes in the global tensor, so the checkpoint is plain DCP: any DCP reader (or
 ``torch.distributed.checkpoint.format_utils``) reads it, and the files hold tensors only. A
 replicated tensor (or one on the one-device-per-process device) is the same case with one block.
-A padded array (Note [Padded shards] in program/sharding.py) is cut to the tensor's logical
+A padded array (Note [Padded shards] in sharding/layout.py) is cut to the tensor's logical
 shape: chunks never hold padding, and loading pads the new array with zeros as its layout
 needs. Plain CPU tensors and other objects go through DCP's default path.
 
@@ -97,7 +97,7 @@ def _on_device(x):
 def _block(index, padded, shape):
     """(offsets, sizes) in a tensor of logical ``shape`` of a shard's index (a tuple of slices)
     into its array of shape ``padded``: the padding at the end is cut off (Note [Padded
-    shards] in program/sharding.py), so a block of padding only has a size 0."""
+    shards] in sharding/layout.py), so a block of padding only has a size 0."""
     offsets, sizes = [], []
     for sl, p, n in zip(index, padded, shape):
         start, stop, _ = sl.indices(p)
@@ -206,8 +206,8 @@ def prime_optimizer(optimizer):
     step with zero gradients, each laid out like its parameter (so the state gets the sharding
     training gives it). The step changes the parameters (weight decay), so call it only right
     before restoring a checkpoint that overwrites them."""
-    from torchacc.distributed import sharding
     from torchacc.engine.execute import sync
+    from torchacc.sharding import api as sharding
 
     sync()
     for group in optimizer.param_groups:
@@ -357,7 +357,7 @@ class _Target:
 
     def build(self):
         """A global array of the loaded data with the tensor's current sharding, padded with
-        zeros as its array was (Note [Padded shards] in program/sharding.py)."""
+        zeros as its array was (Note [Padded shards] in sharding/layout.py)."""
         by_offsets = {o: self.buffers[i] for i, o in enumerate(self.offsets)}
         dtype = _numpy(torch.empty(0, dtype=self.tensor.dtype)).dtype
 
@@ -388,7 +388,7 @@ class _Target:
 
 def install(targets):
     """Give each loaded tensor its new data (all arrays are built before any is installed)."""
-    from torchacc.distributed import sharding
+    from torchacc.sharding import api as sharding
 
     arrays = [(tg, tg.build()) for tg in targets]
     for tg, array in arrays:

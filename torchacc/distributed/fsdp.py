@@ -2,7 +2,7 @@
 parameter goes over the ``fsdp`` mesh axis, and the batch layout of a module's inputs/outputs.
 
 XLA gathers each layer's parameters where the step uses them and reduce-scatters their gradients
-(Note [SPMD mode] in torchacc/runtime/mesh.py); optimizer state follows its parameter's sharding.
+(Note [SPMD mode] in torchacc/sharding/mesh.py); optimizer state follows its parameter's sharding.
 Used by torch_xla's ``SpmdFullyShardedDataParallel`` and by ``accelerate``'s ``dist.fsdp``.
 """
 
@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from torchacc.distributed import sharding as engine
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding import api as engine
 
 
 def parameter_spec(shape, axis="fsdp", maximal=False):
     """The partition spec of a parameter of ``shape``: dim 0 over ``axis`` (a dim the axis does
-    not divide is padded: Note [Padded shards] in program/sharding.py), or with ``maximal`` its
+    not divide is padded: Note [Padded shards] in sharding/layout.py), or with ``maximal`` its
     largest dim (the first of equals), as torch_xla's FSDPv2 does."""
     if not shape:
         return ()

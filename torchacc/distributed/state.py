@@ -13,9 +13,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchacc.distributed import collectives as C
 from torchacc.engine import execute
 from torchacc.lazy.tensor import LazyTensor
+from torchacc.sharding import collectives as C
 
 
 def _need_group(name):

@@ -18,9 +18,9 @@ import torch.distributed as _td
 from torch.distributed import distributed_c10d as _c10d  # not rebound by recipes (xm.get_ordinal)
 
 from torchacc import mpi_env
-from torchacc.distributed import collectives as C
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.runtime import processes as runtime
+from torchacc.sharding import collectives as C
 
 ReduceOp = _td.ReduceOp
 

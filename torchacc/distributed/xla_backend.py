@@ -26,13 +26,13 @@ import functools
 import torch
 import torch.distributed as dist
 
-from torchacc.distributed import collectives
 from torchacc.engine import execute
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.record import value_of
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy.transfer import to_device as _upload
 from torchacc.runtime import processes as runtime
+from torchacc.sharding import collectives
 
 BACKEND_NAME = "xla"
 

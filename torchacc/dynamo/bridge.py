@@ -32,7 +32,8 @@ from jax._src.lib import _jax
 from torch.utils import dlpack as _torch_dlpack
 
 from torchacc.lowering.dtypes import jdtype
-from torchacc.runtime import mesh, processes
+from torchacc.runtime import processes
+from torchacc.sharding import mesh
 
 _DL_CPU = 1
 _to_dlpack = _torch_dlpack.to_dlpack

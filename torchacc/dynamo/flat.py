@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from torchacc import metrics
-from torchacc.dynamo import bridge, lower, spmd
+from torchacc.dynamo import bridge, collective, lower
 
 _DATA_PTR = torch.Tensor.data_ptr
 _GRAD = operator.attrgetter("grad")
@@ -170,7 +170,7 @@ class _FlatRunner:
         if exe is None:
             start = time.perf_counter()
             if self.piece.collective:  # Note [Multi-process programs]
-                exe = self.exe = spmd.compile(self.whole, key, flats, args, lrs)
+                exe = self.exe = collective.compile(self.whole, key, flats, args, lrs)
             else:
                 exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
             metrics.record_time("DynamoCompileTime", time.perf_counter() - start)

@@ -38,7 +38,7 @@ import torch
 from torch import fx
 
 from torchacc import metrics
-from torchacc.dynamo import bridge, spmd
+from torchacc.dynamo import bridge, collective
 from torchacc.engine import handoff
 from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
@@ -173,7 +173,9 @@ class JaxPiece:
             if n.op == "placeholder" and isinstance(_val(n), (int, torch.SymInt))
         )
         self.n_ops = sum(1 for n in seg.nodes if n.op == "call_function")
-        self.collective = spmd.has_collective(seg.nodes)  # one SPMD program over the mesh
+        self.collective = collective.has_collective(
+            seg.nodes
+        )  # one manual region over the process axis
         # symbolic sizes (dynamic shapes): one executable per set of input shapes
         self.dynamic = any(
             isinstance(v, torch.Tensor) and not all(type(d) is int for d in v.shape)
@@ -217,7 +219,7 @@ class JaxPiece:
             )
         start = time.perf_counter()
         if self.collective:
-            exe = spmd.compile(self.function(statics), key, *arrays)
+            exe = collective.compile(self.function(statics), key, *arrays)
         elif self.out_like is not None:  # Note [Device tensors in a trace-once program]
             outs = [None if j is None else arrays[j].sharding for j in self.out_like]
             jitted = jax.jit(self.function(statics), out_shardings=outs)

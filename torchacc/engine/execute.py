@@ -20,8 +20,10 @@ from torchacc.engine import explain
 from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
-from torchacc.program import known, pack, sharding
-from torchacc.runtime import mesh, processes
+from torchacc.program import known, pack
+from torchacc.runtime import processes
+from torchacc.sharding import layout as sharding
+from torchacc.sharding import mesh
 
 _last_outputs: list = []
 _last_sync_end = [None]
@@ -106,7 +108,7 @@ def run(outputs, donate, held=None, learn=False, starts=None):
             pack.lay_out_like_results(outputs, starts, plan, held)
     graph = compiler.Graph(outputs, held if donate else None, plan, starts)
     shardings = None
-    if mesh.is_spmd():  # Note [SPMD mode] in runtime/mesh.py
+    if mesh.is_spmd():  # Note [SPMD mode] in sharding/mesh.py
         sharding.normalize(graph.loose)
         shardings = sharding.plan(graph, outputs, starts)
     args = _args(graph.floats, graph.ints, graph.args())

@@ -12,8 +12,8 @@ import torch
 from torchacc import metrics
 from torchacc.ir import Value, contiguous_desc
 from torchacc.lowering.dtypes import TORCH_TO_JAX, stored_dtype
-from torchacc.runtime import mesh
 from torchacc.runtime.device import jax_device
+from torchacc.sharding import mesh
 
 
 def put(host_array):

@@ -9,7 +9,6 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from torchacc.distributed import collectives as C
 from torchacc.horovod import basics
 from torchacc.horovod.ops import (
     _DEVICE_OP,
@@ -27,6 +26,7 @@ from torchacc.horovod.ops import (
     on_device,
     synchronize,
 )
+from torchacc.sharding import collectives as C
 
 # --------------------------------------------------------------------------------------------
 # allgather, broadcast, alltoall, reducescatter

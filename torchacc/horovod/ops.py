@@ -14,9 +14,9 @@ import itertools
 import torch
 import torch.distributed as dist
 
-from torchacc.distributed import collectives as C
 from torchacc.horovod import basics
 from torchacc.lazy.tensor import LazyTensor
+from torchacc.sharding import collectives as C
 
 
 class ReduceOp:

@@ -18,9 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
-from torchacc.distributed import collectives as C
 from torchacc.distributed import state
 from torchacc.horovod import basics, exchange, ops
+from torchacc.sharding import collectives as C
 
 
 class _NoneCompressor:

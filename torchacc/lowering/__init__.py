@@ -22,7 +22,6 @@ _FAMILIES = (
     "nn_extra",
     "fused",
     "fused_attention",
-    "sharding",
     "memory",
     "linalg",
     "fft",
@@ -44,6 +43,7 @@ def _load_families():
         except ModuleNotFoundError as exc:  # a family not written yet
             if exc.name != f"torchacc.lowering.{name}":
                 raise
+    importlib.import_module("torchacc.sharding.rules")  # the engine's lowering half
 
 
 _load_families()

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchacc.distributed import collectives as C
 from torchacc.engine import execute
 from torchacc.lazy.tensor import LazyTensor
+from torchacc.sharding import collectives as C
 
 
 class _LazyDDP(nn.Module):

@@ -7,7 +7,7 @@ device that merges and re-slices for another device count.
 Note [Parallel modes on the sharding engine]
 ``torchacc.parallel`` only translates: it has no partitioner and no communication code. Every
 layout it asks for goes through ``torchacc.distributed.sharding`` (Note [SPMD mode] in
-torchacc/runtime/mesh.py) and XLA's SPMD partitioner inserts the collectives.
+torchacc/sharding/mesh.py) and XLA's SPMD partitioner inserts the collectives.
 
 - Devices. ``init()`` switches torchacc to SPMD mode: one process drives all its devices and the
   job's devices (processes x local devices, ``get_group_size()``) form one mesh.

@@ -26,8 +26,8 @@ import os
 
 import torch
 
-from torchacc.distributed import sharding as engine
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding import api as engine
 
 FORMAT = "torchacc.parallel.checkpoint/1"
 _OPT = "optimizer.state."
@@ -93,7 +93,7 @@ def save_checkpoint(model, path, optimizer=None, integrated_save=True):
 def _local_ordinals(n):
     if not engine.is_spmd():
         return [0]
-    from torchacc.runtime import mesh as runtime_mesh
+    from torchacc.sharding import api as runtime_mesh
 
     return [engine.ordinal(d) for d in runtime_mesh.local_devices()]
 

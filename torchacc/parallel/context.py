@@ -9,7 +9,7 @@ from __future__ import annotations
 import enum
 import math
 
-from torchacc.distributed import sharding as engine
+from torchacc.sharding import api as engine
 
 
 class ParallelMode(str, enum.Enum):
@@ -78,7 +78,7 @@ def get_group_size():
 def get_rank():
     """This process's first device among every device of the job (the process's rank when each
     process drives one device)."""
-    from torchacc.runtime import mesh as runtime_mesh
+    from torchacc.sharding import api as runtime_mesh
 
     return engine.ordinal(runtime_mesh.local_devices()[0])
 

@@ -11,9 +11,9 @@ import math
 
 import torch
 
-from torchacc.distributed import sharding as engine
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.parallel import context
+from torchacc.sharding import api as engine
 
 
 def check_strategy(owner, strategy, n=None):

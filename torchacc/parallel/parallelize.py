@@ -76,7 +76,7 @@ def parallelize(model):
 def _onto_matrix(model, matrix):
     """Replicated parameters and buffers onto the device matrix's mesh: one mesh for every
     array of the step (JAX names the layouts of the step's new results on its inputs' mesh)."""
-    from torchacc.distributed import sharding as engine
+    from torchacc.sharding import api as engine
 
     for t in (*model.parameters(), *model.buffers()):
         if t.device.type != DEVICE_TYPE:
@@ -106,7 +106,7 @@ def _broadcast_parameters(model):
         return
     from jax.experimental import multihost_utils
 
-    from torchacc.distributed import sharding as engine
+    from torchacc.sharding import api as engine
 
     with torch.no_grad():
         for p in (*model.parameters(), *model.buffers()):

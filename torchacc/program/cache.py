@@ -14,9 +14,11 @@ import numpy as np
 
 from torchacc import metrics
 from torchacc.lowering import precision
-from torchacc.program import known, sharding, spmd  # Note [Multi-process programs]
+from torchacc.program import known
 from torchacc.program.build import piece_offsets, program_of
 from torchacc.runtime.processes import env_flag
+from torchacc.sharding import layout as sharding
+from torchacc.sharding import manual  # Note [Multi-process programs]
 
 _cache: dict = {}
 _persistent_hits = [0]
@@ -50,7 +52,7 @@ jax.monitoring.register_event_listener(_on_event)
 
 def compiled_for(graph, args, shardings=None):
     """The executable for ``graph`` (compiling it on a cache miss); ``shardings``: the
-    program's ``sharding.plan`` in SPMD mode (program/sharding.py), else None."""
+    program's ``sharding.plan`` in SPMD mode (sharding/layout.py), else None."""
     key = graph.key + (precision.key(),)  # Note [float32 precision follows torch]
     if shardings is not None:
         key += shardings
@@ -64,8 +66,8 @@ def compiled_for(graph, args, shardings=None):
     hits = _persistent_hits[0]
     donate = tuple(2 + i for i in graph.donate)
     with precision.scope():
-        if shardings is not None:  # Note [SPMD mode] in runtime/mesh.py
-            if spmd.is_spmd_graph(graph):
+        if shardings is not None:  # Note [SPMD mode] in sharding/mesh.py
+            if manual.is_collective_graph(graph):
                 raise RuntimeError(
                     "torchacc: a step in SPMD mode (xr.use_spmd()) holds a per-process collective "
                     "(xm.all_reduce, a 'xla' process group call) with several processes; in SPMD "
@@ -76,8 +78,10 @@ def compiled_for(graph, args, shardings=None):
             program = sharding.unpadded(program_of(graph), graph, in_pads, out_pads)
             fn = jax.jit(program, donate_argnums=donate, in_shardings=ins, out_shardings=list(outs))
             exe = fn.lower(*args).compile()
-        elif spmd.is_spmd_graph(graph):  # collectives: one SPMD program, Note [Multi-process ...]
-            exe = spmd.compile_spmd(program_of(graph), args, donate)
+        elif manual.is_collective_graph(
+            graph
+        ):  # collectives: one SPMD program, Note [Multi-process ...]
+            exe = manual.compile_manual(program_of(graph), args, donate)
         else:  # Note [Pieces read at offset arguments] in build.py
             offsets = [_offset(o) for o in piece_offsets(graph)] if _OFFSET_ARGS else []
             fn = jax.jit(program_of(graph, offsets=bool(offsets)), donate_argnums=donate)

@@ -40,8 +40,9 @@ import os
 import sys
 
 from torchacc.ir import graph as ir_graph
-from torchacc.program import pack, sharding
+from torchacc.program import pack
 from torchacc.program.key import args_of, donatable_flags
+from torchacc.sharding import layout as sharding
 
 _STEP = 1 << 40  # base spacing: positions and data numbers of one step stay below the next base
 _SHIFT = 24  # a pending input's code: (stream position << _SHIFT) | output index
@@ -315,7 +316,7 @@ def learn(graph, exe, held, precision_key):
     compiled = (exe, graph.donate, graph.out_codes, graph.out_packs, graph.out_order)
     variant.plan = (graph.out_codes, graph.out_packs, pack.max_numel())
     sizes = tuple([p.size for p in graph.packs])
-    spmd = sharding.launch_key(graph.loose)  # Note [SPMD mode] in runtime/mesh.py
+    spmd = sharding.launch_key(graph.loose)  # Note [SPMD mode] in sharding/mesh.py
     variant.launches[(graph.in_codes, sizes, flags, precision_key, *spmd)] = compiled
 
 

@@ -60,7 +60,7 @@ import jax
 import numpy as np
 
 from torchacc.ir import graph as ir_graph
-from torchacc.runtime import mesh
+from torchacc.sharding import mesh
 
 LOOSE = -1  # an input or output that is not a piece of a pack
 SHIFT = 40  # a piece's code: (pack position << SHIFT) | offset
@@ -85,7 +85,7 @@ class Pack:
 
 def max_numel():
     """Results of at most this many elements are packed (0: none; always 0 in SPMD mode, Note
-    [SPMD mode] in runtime/mesh.py)."""
+    [SPMD mode] in sharding/mesh.py)."""
     if mesh.is_spmd():
         return 0
     text = os.environ.get("TORCHACC_PACK_MAX_NUMEL", "").strip()

@@ -31,7 +31,7 @@ import threading
 
 import jax
 
-AXIS = "p"  # the mesh axis of processes, one device each
+AXIS = "process"  # the job-wide mesh axis that runs along processes
 
 
 class _State:
@@ -89,7 +89,7 @@ def maybe_initialize():
     return True
 
 
-all_local_devices = [False]  # set by runtime.mesh.enable() (SPMD mode)
+all_local_devices = [False]  # set by sharding.mesh.enable() (SPMD mode)
 
 
 def wants_all_local_devices():

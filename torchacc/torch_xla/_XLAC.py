@@ -483,7 +483,7 @@ def _get_xla_sharding_spec(tensor):
     last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none (uploaded data that no
     ``mark_sharding`` laid out, as torch_xla says; a program's replicated result is
     ``{replicated}``)."""
-    from torchacc.distributed import sharding
+    from torchacc.sharding import api as sharding
 
     t = getattr(tensor, "global_tensor", tensor)
     if not sharding.is_spmd():
@@ -506,10 +506,10 @@ def _global_tensor_from_cpu_shards(shards, op_sharding, global_shape=None):
     ``RuntimeError`` naming it."""
     import jax
 
-    from torchacc.distributed import sharding as engine
     from torchacc.engine.transfer import device_array_on
     from torchacc.ir import Value, contiguous_desc
     from torchacc.lazy.record import fresh
+    from torchacc.sharding import api as engine
 
     named = getattr(op_sharding, "named_sharding", None)
     if not isinstance(named, jax.sharding.NamedSharding):

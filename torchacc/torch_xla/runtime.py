@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import torchacc
-from torchacc.distributed import sharding as _sharding
+from torchacc.sharding import api as _sharding
 from torchacc.torch_xla._api import differs
 from torchacc.torch_xla.core import xla_model as _xm
 
@@ -88,7 +88,7 @@ def runtime_device_attributes(device=None):
 def global_runtime_device_attributes():
     if not _sharding.is_spmd():
         return [runtime_device_attributes()] * global_runtime_device_count()
-    from torchacc.runtime import mesh
+    from torchacc.sharding import api as mesh
 
     return [
         {
@@ -153,7 +153,7 @@ def is_spmd():
 def use_spmd(auto=False):
     """SPMD mode: the torchacc device becomes one virtual device over every device of the job,
     and ``torch_xla.distributed.spmd`` shards tensors over them (Note [SPMD mode] in
-    torchacc/runtime/mesh.py). Call it before the first tensor is moved to the device."""
+    torchacc/sharding/mesh.py). Call it before the first tensor is moved to the device."""
     if auto:
         raise NotImplementedError(
             "xr.use_spmd(auto=True): XLA's auto-sharding is not exposed through JAX on CPU/GPU; "

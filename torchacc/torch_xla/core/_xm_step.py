@@ -186,7 +186,7 @@ def get_memory_info(device=None):
         "kb_free": max(limit - used, 0) // 1024,
         "kb_total": limit // 1024,
     }
-    from torchacc.distributed import sharding
+    from torchacc.sharding import api as sharding
 
     if sharding.is_spmd():  # per device: the bytes of live tensors' shards (padding included)
         info["tensor_bytes_per_device"] = sharding.live_bytes_per_device()

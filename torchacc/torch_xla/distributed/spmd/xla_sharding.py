@@ -1,7 +1,7 @@
 """``torch_xla.distributed.spmd`` (``xs``) on torchacc: meshes and sharding annotations.
 
 A thin translation into torchacc's sharding engine (``torchacc.distributed.sharding``; Note [SPMD
-mode] in torchacc/runtime/mesh.py): a :class:`Mesh` names global device ordinals, a partition
+mode] in torchacc/sharding/mesh.py): a :class:`Mesh` names global device ordinals, a partition
 spec becomes a JAX ``NamedSharding``, and XLA's SPMD partitioner splits each step. Call
 ``torch_xla.runtime.use_spmd()`` first. On a CPU machine ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=4``
 gives four devices.
@@ -16,8 +16,8 @@ import enum
 import numpy as np
 import torch
 
-from torchacc.distributed import sharding as engine
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding import api as engine
 from torchacc.torch_xla._api import differs, not_implemented
 
 _MANUAL = (
@@ -171,7 +171,7 @@ class HybridMesh(Mesh):
     multislice meshes. On GPU and CPU a "slice" is a process."""
 
     def __init__(self, *, ici_mesh_shape, dcn_mesh_shape=None, axis_names=None):
-        from torchacc.runtime import mesh as runtime_mesh
+        from torchacc.sharding import api as runtime_mesh
 
         ici = tuple(int(x) for x in ici_mesh_shape)
         dcn = tuple(int(x) for x in (dcn_mesh_shape or (1,) * len(ici)))

@@ -1,6 +1,8 @@
-"""SPMD programs: a graph holding a collective runs as one program over the process mesh.
+"""Programs as manual regions (program stage of the one engine): a graph holding a collective runs
+as one program, ``jax.shard_map`` over the process axis of the job-wide mesh.
 
-See Note [Multi-process programs] in ``torchacc/distributed/__init__.py``.
+See Note [Multi-process programs] in ``torchacc/distributed/__init__.py`` and Note [One mesh] in
+``torchacc/sharding/__init__.py``.
 """
 
 from __future__ import annotations
@@ -8,75 +10,50 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from torchacc.runtime import processes
-from torchacc.runtime.device import jax_device, platform
+from torchacc.runtime.device import jax_device
 from torchacc.runtime.processes import _jax_distributed_client, env_int
-
-_mesh = [None, None]  # the process mesh and its replicated sharding, built on first use
+from torchacc.sharding import mesh as job
 
 
 def mesh():
-    """``jax.sharding.Mesh`` with one device per process (this process's = its torchacc device)."""
-    if _mesh[0] is None:
-        with processes._lock:
-            if _mesh[0] is None:
-                _build_mesh()
-    return _mesh[0]
+    """The process mesh (``sharding.mesh.process_mesh``): one device per process."""
+    return job.process_mesh()
 
 
-def _build_mesh():
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec
-
-    mine = jax_device()
-    world = processes.world_size()
-    per_process = {}
-    for d in jax.devices(platform()):
-        p = d.process_index
-        if p == jax.process_index():
-            per_process[p] = mine
-        elif p not in per_process or d.id < per_process[p].id:
-            per_process[p] = d
-    if sorted(per_process) != list(range(world)):
-        raise RuntimeError(
-            f"torchacc.distributed: expected devices of {world} processes, JAX sees processes "
-            f"{sorted(per_process)}"
-        )
-    _mesh[0] = Mesh(np.array([per_process[p] for p in range(world)]), (processes.AXIS,))
-    _mesh[1] = NamedSharding(_mesh[0], PartitionSpec())
-
-
-def is_spmd_graph(graph):
-    """True when ``graph`` (a compile.Graph) holds a collective and must run as one SPMD program."""
+def is_collective_graph(graph):
+    """True when ``graph`` (a program.Graph) holds a collective and must run as one program over
+    the process axis."""
     for node in graph.order:
         if getattr(node.op.rule.fn, "torchacc_collective", False):
             return True
     return False
 
 
-def compile_spmd(program, args, donate):
-    """Compile ``program`` (local arrays -> list of local arrays) as one SPMD program over the mesh.
+def compile_manual(program, args, donate):
+    """Compile ``program`` (local arrays -> list of local arrays) as one manual region over the
+    process axis.
 
     ``args`` are example arguments (local arrays / numpy) and ``donate`` the donated positions, as
-    for ``jax.jit``. Returns an ``SpmdExecutable``.
+    for ``jax.jit``. Returns a ``ManualExecutable``.
     """
     from jax.sharding import PartitionSpec
 
     m = mesh()
-    rep = _mesh[1]
-    spmd = jax.shard_map(
+    rep = job.process_replicated()
+    region = jax.shard_map(
         program, mesh=m, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
     )
     avals = [jax.ShapeDtypeStruct(np.shape(a), a.dtype, sharding=rep) for a in args]
-    exe = jax.jit(spmd, donate_argnums=donate).lower(*avals).compile()
+    exe = jax.jit(region, donate_argnums=donate).lower(*avals).compile()
     _align_after_compile()
-    return SpmdExecutable(exe, rep)
+    return ManualExecutable(exe, rep)
 
 
 _compiles = [0]
 
 
 def _align_after_compile():
-    """Wait for every rank to finish compiling before the first run of a new SPMD program.
+    """Wait for every rank to finish compiling before the first run of a new collective program.
 
     Compile times differ between ranks (a loaded host, a cold cache), while the gloo/NCCL
     transport gives the first collective only ~30 s to find its peers; a barrier on the
@@ -97,8 +74,9 @@ except Exception:  # pragma: no cover - private API moved
     _ArrayImpl = None
 
 
-class SpmdExecutable:
-    """A compiled SPMD step called like a single-device one: local arrays in, local arrays out."""
+class ManualExecutable:
+    """A compiled manual-region step called like a single-device one: local arrays in, local
+    arrays out."""
 
     __slots__ = ("compiled", "sharding", "device")
 

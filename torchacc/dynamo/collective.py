@@ -1,12 +1,12 @@
-"""Trace-once programs that hold a collective: one SPMD program over the process mesh.
+"""Trace-once programs that hold a collective: one manual region over the process axis.
 
 A graph with a collective node (``torchacc.distributed``'s ``xm.all_reduce``,
 ``xm.reduce_gradients``, ``xm.optimizer_step`` inside ``compile_step``) is compiled the way the
 lazy path compiles one (Note [Multi-process programs] in ``torchacc/distributed/__init__.py``):
 ``jax.shard_map`` over the mesh with one device per process, every operand declared replicated,
 so the collectives are ``jax.lax.psum`` and friends over the mesh axis and the local arrays go in
-and come out unchanged. This module adapts ``program.spmd.compile_spmd`` (flat arrays in, a list
-out) to the trace-once frontend's pytree-shaped programs.
+and come out unchanged. This module adapts ``sharding.manual.compile_manual`` (flat arrays in, a
+list out) to the trace-once frontend's pytree-shaped programs.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import jax
 import torch
 
 from torchacc.lowering import lookup
-from torchacc.program import spmd as program_spmd
+from torchacc.sharding import manual
 
 
 def is_collective(target):
@@ -42,7 +42,7 @@ def compile(fn, *args):
         out_tree[:] = [out_tree_]
         return out_leaves
 
-    exe = program_spmd.compile_spmd(flat, leaves, donate=())
+    exe = manual.compile_manual(flat, leaves, donate=())
     _check_device(exe, leaves)
     unflatten, leaves_of = jax.tree.unflatten, jax.tree.leaves
 

@@ -1,4 +1,7 @@
-"""SPMD mode: the torchacc device as one virtual device over every device of the job.
+"""The job-wide mesh (runtime stage of the one engine): SPMD mode's state, the engine mesh, the
+process axis, and global uploads and gathers.
+
+Note [One mesh] is in torchacc/sharding/__init__.py.
 
 Note [SPMD mode]
 ``use_spmd()`` (torch_xla's ``xr.use_spmd()``) switches the process from "one device per
@@ -11,9 +14,9 @@ inserts no collective and moves no shard by hand:
 - data uploaded to the device is replicated over the *engine mesh* (the mesh of the last
   sharding annotation, else every device along one axis ``"spmd"``);
 - ``mark_sharding`` of a computed tensor reshards its array (``jax.device_put``), of a pending
-  one records a ``with_sharding_constraint`` (``lowering/sharding.py``);
+  one records a ``with_sharding_constraint`` (``sharding/rules.py``);
 - a step's program is jitted with its inputs' shardings, and every result that overwrites a
-  tensor's previous data keeps that data's sharding (``program/sharding.py``): parameters and
+  tensor's previous data keeps that data's sharding (``sharding/layout.py``): parameters and
   optimizer state stay sharded across steps and the program compiles once;
 - reading a sharded array gathers it (across processes with ``process_allgather``).
 
@@ -35,9 +38,10 @@ import jax
 import numpy as np
 
 from torchacc.runtime import processes
-from torchacc.runtime.device import platform
+from torchacc.runtime.device import jax_device, platform
 
 DEFAULT_AXIS = "spmd"
+PROCESS_AXIS = processes.AXIS  # "process": the axis of the job-wide mesh that runs along processes
 
 
 class _State:
@@ -126,3 +130,91 @@ def gather(array):
     from jax.experimental import multihost_utils
 
     return np.array(multihost_utils.process_allgather(array, tiled=True))
+
+
+# --------------------------------------------------------------------------------------------
+# the job-wide mesh: processes x local devices (Note [One mesh])
+
+_job = [None]  # (mesh, replicated sharding) of the one-device-per-process job mesh
+
+
+def job_devices():
+    """The devices the torchacc device stands for, as a (processes, local devices) grid: every
+    local device of every process in SPMD mode, else this process's one device (and one device
+    of each other process, the lowest id, as its peers have chosen the same way)."""
+    world = processes.world_size()
+    if _state.on:
+        rows = {}
+        for d in devices():
+            rows.setdefault(d.process_index, []).append(d)
+    else:
+        mine = jax_device()
+        rows = {}
+        for d in jax.devices(platform()):
+            p = d.process_index
+            if p == jax.process_index():
+                rows[p] = [mine]
+            elif p not in rows or d.id < rows[p][0].id:
+                rows[p] = [d]
+    if sorted(rows) != list(range(world)):
+        raise RuntimeError(
+            f"torchacc: expected devices of {world} processes, JAX sees processes {sorted(rows)}"
+        )
+    widths = {len(r) for r in rows.values()}
+    if len(widths) != 1:
+        raise RuntimeError(
+            "torchacc: every process must have the same number of devices for one job-wide mesh, "
+            f"got { ({p: len(r) for p, r in sorted(rows.items())}) }"
+        )
+    return np.array([rows[p] for p in range(world)], dtype=object)
+
+
+def job_mesh(axis_names=None):
+    """The job-wide ``jax.sharding.Mesh``: processes x local devices. ``axis_names`` (two names)
+    defaults to ``("process", "local")``."""
+    names = tuple(axis_names or (PROCESS_AXIS, "local"))
+    return jax.sharding.Mesh(job_devices(), names)
+
+
+def process_mesh():
+    """The mesh per-process code runs a manual region over: one device per process (this
+    process's torchacc device), axis ``"process"``, ordered by rank."""
+    if _job[0] is None:
+        with processes._lock:
+            if _job[0] is None:
+                from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+                m = Mesh(job_devices()[:, 0], (PROCESS_AXIS,))
+                _job[0] = (m, NamedSharding(m, PartitionSpec()))
+    return _job[0][0]
+
+
+def process_replicated():
+    process_mesh()
+    return _job[0][1]
+
+
+def process_axes(mesh):
+    """The axes of ``mesh`` that run along processes: a manual region over them gives each
+    process exactly its own devices. A ValueError when the mesh does not split by process."""
+    import itertools
+
+    names = mesh.axis_names
+    grid = mesh.devices
+    procs = {d.process_index for d in grid.flat}
+    if len(procs) == 1:
+        return ()
+    for k in range(1, len(names) + 1):
+        for axes in itertools.combinations(range(len(names)), k):
+            rest = [i for i in range(len(names)) if i not in axes]
+            moved = np.moveaxis(grid, list(axes), list(range(k))).reshape(
+                int(np.prod([grid.shape[i] for i in axes])), -1
+            )
+            if rest and len(moved) != len(procs):
+                continue
+            if all(len({d.process_index for d in row}) == 1 for row in moved):
+                return tuple(names[i] for i in axes)
+    raise ValueError(
+        f"torchacc: mesh {dict(mesh.shape)} has no axes that run along processes (each process's "
+        "devices must be one block of the mesh for per-process code)"
+    )

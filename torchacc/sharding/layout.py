@@ -1,6 +1,6 @@
 """Shardings of a step's program in SPMD mode: what its inputs and results are laid out as.
 
-Note [SPMD mode] is in torchacc/runtime/mesh.py. Here, for one program:
+Note [SPMD mode] is in torchacc/sharding/mesh.py. Here, for one program:
 
 - every array argument keeps the sharding it has (an argument on another mesh or on a single
   device, say the result of ``call_jax``, is first moved onto the engine mesh, replicated), and the
@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import jax
 
-from torchacc.runtime import mesh, processes
+from torchacc.runtime import processes
+from torchacc.sharding import mesh
 
 
 def normalize(loose):

@@ -1,0 +1,239 @@
+"""Collective and sharding rules (lowering stage of the one engine).
+
+- ``torchacc::shard`` -> ``jax.lax.with_sharding_constraint``. Note [SPMD mode]
+  (torchacc/sharding/mesh.py): ``mark_sharding`` of a tensor whose value is still pending records
+  this op; XLA's partitioner takes the constraint and propagates the rest. The sharding travels as
+  a static string (part of the op's structural key) naming a ``NamedSharding`` kept in
+  ``SHARDINGS`` by whoever recorded it (``torchacc.sharding.api``).
+- ``torch.ops.torchacc_dist.*``: the collectives, custom ops with meta kernels whose rules are
+  marked ``torchacc_collective``. They are ``jax.lax`` collectives over the axes of the manual
+  region being lowered (``region_axes()``): the process axis of the job-wide mesh for per-process
+  code, the axes a user's manual region names otherwise (Note [One mesh] in
+  torchacc/sharding/__init__.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import torch
+
+from torchacc.lowering.registry import register
+
+_lib = torch.library.Library("torchacc", "FRAGMENT")
+_lib.define("shard(Tensor x, str sharding) -> Tensor")
+_lib.impl("shard", lambda x, sharding: torch.empty_like(x), "Meta")
+shard_op = torch.ops.torchacc.shard.default
+
+SHARDINGS: dict = {}  # name -> jax.sharding.NamedSharding
+
+
+def name_sharding(sharding):
+    """A stable static name for ``sharding`` (equal shardings get equal names)."""
+    mesh = sharding.mesh
+    devices = ",".join(str(d.id) for d in mesh.devices.flat)
+    name = f"{mesh.devices.shape}{mesh.axis_names}[{devices}]{tuple(sharding.spec)}"
+    SHARDINGS.setdefault(name, sharding)
+    return name
+
+
+@register(shard_op)
+def shard(x, sharding):
+    return jax.lax.with_sharding_constraint(x, SHARDINGS[sharding])
+
+
+# --------------------------------------------------------------------------------------------
+# the axes collectives run over while a rule is lowered
+
+PROCESS_AXIS = (
+    "process"  # = runtime.processes.AXIS (kept equal by hand: lowering cannot import runtime)
+)
+_axes = [(PROCESS_AXIS,)]
+
+
+def region_axes():
+    """The mesh axes of the manual region being lowered (a tuple of names)."""
+    return _axes[-1]
+
+
+def _ax():
+    axes = _axes[-1]
+    return axes[0] if len(axes) == 1 else axes
+
+
+@contextlib.contextmanager
+def lowering_region(axes):
+    """Collectives lowered inside run over ``axes`` (the manual axes of a ``shard_map`` body)."""
+    _axes.append(tuple(axes))
+    try:
+        yield
+    finally:
+        _axes.pop()
+
+
+# --------------------------------------------------------------------------------------------
+# custom ops: schema + meta kernel
+
+_dist = torch.library.Library("torchacc_dist", "DEF")
+_dist.define("all_reduce(Tensor[] xs, str op, float scale, bool scaled) -> Tensor[]")
+_dist.define("all_gather(Tensor x, int dim, int world) -> Tensor")
+_dist.define(
+    "reduce_scatter(Tensor x, str op, float scale, bool scaled, int dim, int world) -> Tensor"
+)
+_dist.define("broadcast(Tensor[] xs, int src) -> Tensor[]")
+_dist.define("all_to_all(Tensor x, int split_dim, int concat_dim, int world) -> Tensor")
+
+ops = torch.ops.torchacc_dist
+
+
+def _meta_all_reduce(xs, op, scale, scaled):
+    return [x.new_empty(x.shape) for x in xs]
+
+
+def _meta_all_gather(x, dim, world):
+    shape = list(x.shape)
+    shape[dim] *= world
+    return x.new_empty(shape)
+
+
+def _meta_reduce_scatter(x, op, scale, scaled, dim, world):
+    shape = list(x.shape)
+    shape[dim] //= world
+    return x.new_empty(shape)
+
+
+def _meta_broadcast(xs, src):
+    return [x.new_empty(x.shape) for x in xs]
+
+
+def _meta_all_to_all(x, split_dim, concat_dim, world):
+    shape = list(x.shape)
+    shape[split_dim] //= world
+    shape[concat_dim] *= world
+    return x.new_empty(shape)
+
+
+for _name, _fn in (
+    ("all_reduce", _meta_all_reduce),
+    ("all_gather", _meta_all_gather),
+    ("reduce_scatter", _meta_reduce_scatter),
+    ("broadcast", _meta_broadcast),
+    ("all_to_all", _meta_all_to_all),
+):
+    _dist.impl(_name, _fn, "Meta")
+
+
+# --------------------------------------------------------------------------------------------
+# lowering rules (traced inside shard_map over the process mesh)
+
+
+def _collective(fn):
+    fn.torchacc_collective = True  # sharding.manual.is_collective_graph looks for this
+    return fn
+
+
+def _as_reducible(x):
+    """bool -> uint8 so the reductions apply; returns (array, undo)."""
+    if x.dtype == jnp.bool_:
+        return x.astype(jnp.uint8), lambda r: r.astype(jnp.bool_)
+    return x, lambda r: r
+
+
+def _scaled(r, scale):
+    if not jnp.issubdtype(r.dtype, jnp.floating):
+        return r
+    wide = jnp.float32 if r.dtype in (jnp.float16, jnp.bfloat16) else r.dtype
+    return (r.astype(wide) * scale.astype(wide)).astype(r.dtype)
+
+
+def _reduce_all(xs, op):
+    """Reduce a list of arrays over the mesh with ``op``; one collective per kind of op."""
+    pairs = [_as_reducible(x) for x in xs]
+    arrays = [a for a, _ in pairs]
+    if op == "sum":
+        if any(x.dtype == jnp.bool_ for x in xs):  # a bool sum is an "or"
+            out = [
+                jax.lax.pmax(a, _ax()) if x.dtype == jnp.bool_ else jax.lax.psum(a, _ax())
+                for a, x in zip(arrays, xs, strict=True)
+            ]
+        else:
+            out = jax.lax.psum(arrays, _ax())
+    elif op == "avg":
+        n = jax.lax.axis_size(_ax())
+        out = [r / jnp.asarray(n, r.dtype) for r in jax.lax.psum(arrays, _ax())]
+    elif op in ("max", "or"):
+        out = jax.lax.pmax(arrays, _ax())
+    elif op in ("min", "and"):
+        out = jax.lax.pmin(arrays, _ax())
+    elif op == "product":
+        out = []
+        for a, x in zip(arrays, xs, strict=True):
+            if x.dtype == jnp.bool_:
+                out.append(jax.lax.pmin(a, _ax()))
+            else:
+                out.append(jnp.prod(jax.lax.all_gather(a, _ax()), axis=0, dtype=a.dtype))
+    else:  # the helpers validate op names before recording
+        raise ValueError(f"torchacc.distributed: unknown reduction {op!r}")
+    return [undo(r) for r, (_, undo) in zip(out, pairs, strict=True)]
+
+
+@register(ops.all_reduce.default)
+@_collective
+def _all_reduce_rule(xs, op, scale, scaled):
+    out = _reduce_all(list(xs), op)
+    return [_scaled(r, scale) for r in out] if scaled else out
+
+
+@register(ops.all_gather.default)
+@_collective
+def _all_gather_rule(x, dim, world):
+    return jax.lax.all_gather(x, _ax(), axis=dim, tiled=True)
+
+
+@register(ops.reduce_scatter.default)
+@_collective
+def _reduce_scatter_rule(x, op, scale, scaled, dim, world):
+    if op in ("sum", "avg") and x.dtype != jnp.bool_:
+        r = jax.lax.psum_scatter(x, _ax(), scatter_dimension=dim, tiled=True)
+        if op == "avg":
+            r = r / jnp.asarray(world, r.dtype)
+    else:
+        full = _reduce_all([x], op)[0]
+        chunk = x.shape[dim] // world
+        start = jax.lax.axis_index(_ax()) * chunk
+        r = jax.lax.dynamic_slice_in_dim(full, start, chunk, axis=dim)
+    return _scaled(r, scale) if scaled else r
+
+
+_BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
+
+
+@register(ops.broadcast.default)
+@_collective
+def _broadcast_rule(xs, src):
+    # sum of (the source's bits, zeros elsewhere) over integer views: exact for every value
+    me = jax.lax.axis_index(_ax()) == src
+    bits, backs = [], []
+    for x in xs:
+        if x.dtype == jnp.bool_:
+            bits.append(x.astype(jnp.int8))
+            backs.append(lambda r: r.astype(jnp.bool_))
+        elif jnp.issubdtype(x.dtype, jnp.complexfloating):
+            bits.append(x)
+            backs.append(lambda r: r)
+        else:
+            itype = _BITS[x.dtype.itemsize]
+            bits.append(x if x.dtype == itype else jax.lax.bitcast_convert_type(x, itype))
+            backs.append(
+                lambda r, d=x.dtype, it=itype: r if d == it else jax.lax.bitcast_convert_type(r, d)
+            )
+    masked = [jnp.where(me, b, jnp.zeros_like(b)) for b in bits]
+    return [back(r) for r, back in zip(jax.lax.psum(masked, _ax()), backs, strict=True)]
+
+
+@register(ops.all_to_all.default)
+@_collective
+def _all_to_all_rule(x, split_dim, concat_dim, world):
+    return jax.lax.all_to_all(x, _ax(), split_dim, concat_dim, tiled=True)
