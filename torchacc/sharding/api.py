@@ -253,7 +253,14 @@ def sharding_of(t):
     value = value_of(t)
     if value.node is None and isinstance(value.buf, jax.Array):
         return value.buf.sharding
-    return getattr(t, "_torchacc_sharding", None)
+    mark = getattr(t, "_torchacc_sharding", None)
+    if mark is None and value.node is not None:  # pending: a constraint it holds (say a .grad
+        from torchacc.sharding import rules  # the autograd engine detached)
+
+        args = value.node.op.args
+        if value.node.op.rule.fn is rules.shard and len(args) == 2:
+            return rules.SHARDINGS.get(args[1])
+    return mark
 
 
 def hlo_text(sharding, ndim):

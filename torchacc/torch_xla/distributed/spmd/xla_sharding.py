@@ -265,7 +265,9 @@ class XLAShardedTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, global_tensor, *args, requires_grad=None, **kwargs):
         if requires_grad is None and global_tensor.requires_grad and torch.is_grad_enabled():
-            return _Wrap.apply(global_tensor)
+            r = _Wrap.apply(global_tensor)
+            r.mesh_shape, r.partition_spec = kwargs.get("mesh_shape"), kwargs.get("partition_spec")
+            return r
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             global_tensor.size(),
@@ -275,7 +277,49 @@ class XLAShardedTensor(torch.Tensor):
             requires_grad=bool(requires_grad),
         )
         r.global_tensor = global_tensor
+        r.mesh_shape, r.partition_spec = kwargs.get("mesh_shape"), kwargs.get("partition_spec")
         return r
+
+    _cached_spec = None
+
+    @property
+    def _spec(self):
+        """torch's ``DTensorSpec`` of this tensor (an ``xla`` DeviceMesh, its placements and
+        tensor meta), from ``mesh_shape``/``partition_spec`` when given, else from its
+        sharding; cached until ``invalidate_spec_cache()``."""
+        if self._cached_spec is None:
+            self._cached_spec = _dtensor_spec(self)
+        return self._cached_spec
+
+    def invalidate_spec_cache(self):
+        self._cached_spec = None
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
+        """A new sharded tensor with this one's values laid out by DTensor ``placements`` over
+        ``device_mesh`` (an ``xs.Mesh`` or an ``xla`` DeviceMesh; default: this one's)."""
+        from torch.distributed.tensor.placement_types import Replicate
+
+        mesh = _as_mesh(device_mesh) if device_mesh is not None else None
+        mesh = _mesh_or_global(mesh, "XLAShardedTensor.redistribute")
+        rank = len(mesh.mesh_shape)
+        placements = list(placements) if placements is not None else [Replicate()] * rank
+        if len(placements) != rank:
+            raise ValueError(
+                f"XLAShardedTensor.redistribute: {len(placements)} placements {placements} for a "
+                f"{rank}-d mesh of shape {mesh.mesh_shape}"
+            )
+        spec = _placement_spec(placements, self.dim(), "XLAShardedTensor.redistribute")
+        out = mark_sharding(self.global_tensor.clone(), mesh, spec)
+        out.mesh_shape, out.partition_spec = mesh.mesh_shape, spec
+        return out
+
+    @property
+    def placements(self):
+        return self._spec.placements
+
+    @property
+    def device_mesh(self):
+        return self._spec.mesh
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
@@ -314,6 +358,41 @@ class XLAShardedTensor(torch.Tensor):
         return f"XLAShardedTensor({self.global_tensor!r}, sharding={self.sharding_spec})"
 
 
+def _dtensor_spec(t):
+    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    if t.mesh_shape is not None and t.partition_spec is not None:
+        shape = tuple(t.mesh_shape)
+        ids = list(range(int(np.prod(shape))))
+        spec = [
+            (e if isinstance(e, tuple) else (e,)) if e is not None else () for e in t.partition_spec
+        ]
+    else:
+        named = engine.sharding_of(t.global_tensor)
+        jmesh = getattr(named, "mesh", None)
+        if jmesh is None:  # no sharding: replicated over every device
+            shape, ids, spec = (engine.device_count(),), list(range(engine.device_count())), []
+        else:
+            shape = tuple(jmesh.devices.shape)
+            ids = [engine.ordinal(d) for d in jmesh.devices.flat]
+            index = {name: i for i, name in enumerate(jmesh.axis_names)}
+            spec = [
+                tuple(index[a] for a in (e if isinstance(e, tuple) else (e,)))
+                if e is not None
+                else ()
+                for e in named.spec
+            ]
+    placements = []
+    for axis in range(len(shape)):
+        dims = [d for d, axes in enumerate(spec) if axis in axes]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    mesh = DeviceMesh("xla", torch.tensor(ids).reshape(shape))
+    meta = TensorMeta(t.shape, t.stride(), t.dtype)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
 def _wrap_result(x):
     """An op on a sharded tensor gives a sharded tensor (on the device), as torch_xla's does."""
     if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
@@ -333,8 +412,18 @@ class _Wrap(torch.autograd.Function):
         return unwrap_sharded_tensor(grad)
 
 
-def wrap_as_sharded_tensor(t):
-    return t if isinstance(t, XLAShardedTensor) else XLAShardedTensor(t)
+def wrap_as_sharded_tensor(t, mesh_shape=None, partition_spec=None):
+    """``t`` as an ``XLAShardedTensor``; ``mesh_shape``/``partition_spec`` (torch_xla's DTensor
+    metadata) describe it for ``_spec`` (they do not move data)."""
+    if not isinstance(t, XLAShardedTensor):
+        return XLAShardedTensor(t, mesh_shape=mesh_shape, partition_spec=partition_spec)
+    if mesh_shape is not None or partition_spec is not None:
+        if mesh_shape is not None:
+            t.mesh_shape = mesh_shape
+        if partition_spec is not None:
+            t.partition_spec = partition_spec
+        t.invalidate_spec_cache()
+    return t
 
 
 def unwrap_sharded_tensor(t):
@@ -342,7 +431,7 @@ def unwrap_sharded_tensor(t):
 
 
 def _mesh_or_global(mesh, call):
-    mesh = get_global_mesh() if mesh is None else mesh
+    mesh = get_global_mesh() if mesh is None else _as_mesh(mesh)
     if not isinstance(mesh, Mesh):
         raise ValueError(f"{call}: expected an xs.Mesh (or a global mesh), got {mesh!r}")
     return mesh
@@ -496,11 +585,12 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks."""
     import torchacc
 
+    given = mesh  # partition_fn gets the mesh it was given (torch's DeviceMesh calls back torch)
     mesh = _mesh_or_global(mesh, "xs.xla_distribute_module")
     module = module.to(torchacc.device())
     if partition_fn is not None:
         for name, sub in module.named_modules():
-            partition_fn(name, sub, mesh)
+            partition_fn(name, sub, mesh if given is None else given)
     if input_fn is not None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
@@ -508,10 +598,62 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     return module
 
 
+def _as_mesh(mesh):
+    """An ``xs.Mesh`` for ``mesh`` (an ``xs.Mesh``, or torch's ``DeviceMesh("xla", ...)``)."""
+    grid = getattr(mesh, "mesh", None)
+    if isinstance(grid, torch.Tensor) and getattr(mesh, "device_type", None) in (
+        "xla",
+        DEVICE_TYPE,
+    ):
+        return Mesh(grid.flatten().tolist(), tuple(grid.shape), mesh.mesh_dim_names)
+    return mesh
+
+
 def xla_distribute_tensor(tensor, device_mesh, placements=None):
-    raise NotImplementedError(
-        "xs.xla_distribute_tensor: DTensor placements are not translated; use mark_sharding"
-    )
+    """torch's ``distribute_tensor`` on an ``xla`` DeviceMesh: ``Shard(d)`` on mesh dim ``i``
+    splits tensor dim ``d`` over mesh axis ``i``, ``Replicate()`` leaves it whole (a CPU tensor
+    moves to the device first). Returns the ``XLAShardedTensor`` (a leaf when ``tensor`` needs
+    a gradient, as torch_xla's)."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = _mesh_or_global(_as_mesh(device_mesh), "xs.xla_distribute_tensor")
+    rank = len(mesh.mesh_shape)
+    placements = list(placements) if placements is not None else [Replicate()] * rank
+    if len(placements) != rank:
+        raise ValueError(
+            f"xs.xla_distribute_tensor: {len(placements)} placements {placements} for a "
+            f"{rank}-d mesh of shape {mesh.mesh_shape}"
+        )
+    spec = _placement_spec(placements, tensor.dim(), "xs.xla_distribute_tensor")
+    if tensor.device.type != DEVICE_TYPE:
+        tensor = (
+            tensor.detach().to(torch.device(DEVICE_TYPE, 0)).requires_grad_(tensor.requires_grad)
+        )
+    out = mark_sharding(unwrap_sharded_tensor(tensor), mesh, tuple(spec))
+    if tensor.requires_grad:
+        return XLAShardedTensor(out.global_tensor, requires_grad=True)
+    return out
+
+
+def _entry(e):
+    return e if isinstance(e, tuple) else (e,)
+
+
+def _placement_spec(placements, ndim, call):
+    """The partition spec of DTensor ``placements`` (one per mesh axis) for a rank-``ndim``
+    tensor: ``Shard(d)`` on axis ``i`` splits dim ``d`` over axis ``i``."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    spec = [None] * ndim
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise IndexError(f"{call}: {p} of a tensor of rank {ndim}")
+            d = p.dim % ndim
+            spec[d] = axis if spec[d] is None else (*_entry(spec[d]), axis)
+        elif not isinstance(p, Replicate):
+            raise NotImplementedError(f"{call}: placement {p} (only Shard and Replicate)")
+    return tuple(spec)
 
 
 _mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
