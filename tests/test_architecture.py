@@ -17,7 +17,15 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 # top to bottom (docs/architecture.md); a prefix names a package or a module
 STAGES = [
     ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
-    ("launcher", ["torchacc.launch", "torchacc.launch_args"]),
+    (
+        "launcher",
+        [
+            "torchacc.launch",
+            "torchacc.launch_args",
+            "torchacc.launch_registry",
+            "torchacc.launch_worker",
+        ],
+    ),
     (
         "libraries",
         [
@@ -27,6 +35,7 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.plan",
             "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
         ],

@@ -1,7 +1,7 @@
 """Lowering rules added for issue 32 outside linalg/fft: special functions (bessel.py, the
 polynomial families in special.py), segment ops (segments.py: embedding_bag forward/backward,
-segment_reduce), mode and histogram (order.py), antialiased resize and fractional max pooling
-(nn_extra.py), multinomial and rrelu (factory.py): against eager PyTorch on CPU."""
+segment_reduce), mode and histogram (order.py), antialiased resize (resize.py) and fractional
+max pooling (pooling.py), multinomial and rrelu (factory.py): against eager PyTorch on CPU."""
 
 from __future__ import annotations
 

@@ -8,9 +8,12 @@
 The launcher parses and validates the flags (a bad flag is an argparse usage error, exit code 2),
 then starts ``--nproc_per_node`` workers per node with ``torch.distributed.run`` (torchrun's
 engine: static rendezvous on ``--master_addr:--master_port``; on a single node a free port is
-picked when none is given so that concurrent runs do not collide). Each worker runs
-``python -m gallery.<model>.main`` with the training flags, which parses them again with the same
-parser (:func:`parse_args`).
+picked when none is given so that concurrent runs do not collide). Each worker runs the
+``--model``'s worker from the model registry (``torchacc/launch_registry.py``; the gallery
+registers ``python -m gallery.<model>.main``) with the training flags, which it parses again with
+the same parser (:func:`parse_args`). ``--model MODULE:FUNCTION`` calls a function of one's own
+with those flags instead, and a script path after the launcher's flags runs that script with
+the flags that follow it (``python -m torchacc.launch --nproc_per_node 2 train.py --lr 1e-3``).
 
 Processes that are already workers run the training in-process instead of spawning:
 
@@ -24,7 +27,8 @@ node ranks (``--nnodes``/``--node_rank``) and each launcher spawns its N workers
 
 Before anything starts the launcher checks what would otherwise fail late (one line, exit code 2
 each): ``--nproc_per_node`` above this node's devices, unusable path flags, a ``--resume``
-checkpoint that is not one (or is unsafe, or is for another model), ``--tensorboard`` without a
+checkpoint that is not one (or is unsafe, or is for another model), a ``--mesh`` that does not
+hold the job's devices, ``--tensorboard`` without a
 writer package, a ``--profile`` window outside the run, and ``--compiler-opt`` on a GPU machine
 whose JAX has no CUDA backend. Workers die with the launcher, and SIGINT/SIGTERM stop the
 job cleanly (Note [Worker lifetime] in ``torchacc/launch_checks.py``); exit codes: 0 done, 1 the
@@ -75,6 +79,7 @@ def _load_sibling(module):
 
 
 checks = _load_sibling("launch_checks")
+registry = _load_sibling("launch_registry")  # --model names, filled by the gallery (or others)
 _args = _load_sibling("launch_args")
 MODELS, LAUNCH_ONLY = _args.MODELS, _args.LAUNCH_ONLY
 build_parser, parse_args, worker_argv = _args.build_parser, _args.parse_args, _args.worker_argv
@@ -82,7 +87,8 @@ build_parser, parse_args, worker_argv = _args.build_parser, _args.parse_args, _a
 
 # ----------------------------------------------------------------------------- environment
 def repo_root() -> Path:
-    """The directory holding ``gallery/`` (the checkout root)."""
+    """The directory above the ``torchacc`` package: in a checkout, the root holding the gallery
+    (put on the workers' path so that its models' registry and workers import)."""
     return Path(__file__).resolve().parents[1]
 
 
@@ -101,12 +107,29 @@ def _already_a_worker(environ) -> bool:
     return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
 
 
-def _run_in_process(module: str, argv: list[str]) -> int:
+def _run_in_process(worker: str, argv: list[str]) -> int:
+    """This process is the worker: ``worker``'s ``main(argv)`` (a module), its ``FUNCTION(argv)``
+    (``MODULE:FUNCTION``), or a script run as ``__main__`` with ``argv``."""
     import importlib
+    import runpy
 
-    mod = importlib.import_module(module)
-    mod.main(argv)
+    if worker.endswith(".py"):
+        sys.argv = [worker, *argv]
+        runpy.run_path(worker, run_name="__main__")
+        return 0
+    module, _, func = worker.partition(":")
+    getattr(importlib.import_module(module), func or "main")(argv)
     return 0
+
+
+def _worker_command(worker: str, argv: list[str]) -> list[str]:
+    """torchrun's program and arguments for ``worker`` (see :func:`_run_in_process`)."""
+    if worker.endswith(".py"):
+        return [worker, *argv]
+    if ":" in worker:  # run by a small script: no ``torchacc`` package import on the eager path
+        shim = os.path.join(os.path.dirname(os.path.abspath(__file__)), "launch_worker.py")
+        return [shim, worker, *argv]
+    return ["--module", worker, *argv]
 
 
 def _resolve_nproc(value) -> int:
@@ -160,12 +183,27 @@ def _preflight(args: argparse.Namespace, spawning: bool) -> str | None:
         err = checks.cuda_jax_mismatch(checks.cuda_device_count(), checks.jax_cuda_plugins())
         if err:
             return err
+    err = _mesh_error(args, nproc=_resolve_nproc(args.nproc_per_node))
+    if err:
+        return err
     if args.resume and getattr(args, "fsdp", False) and args.compiler_opt:
         return _check_sharded_resume(args)
     if args.resume:
         err = _check_resume(args)
         if err:
             return err
+    return None
+
+
+def _mesh_error(args: argparse.Namespace, nproc: int) -> str | None:
+    """--fsdp --compiler-opt --mesh DATA,FSDP must hold exactly the job's devices (the worker
+    would refuse it only after start-up)."""
+    if not (getattr(args, "fsdp", False) and args.compiler_opt and args.mesh):
+        return None
+    data, shards = (int(x) for x in args.mesh.split(","))
+    n = args.nnodes * checks.compiler_devices(nproc)
+    if data * shards != n:
+        return f"--mesh {data},{shards} holds {data * shards} devices; this job has {n}"
     return None
 
 
@@ -190,11 +228,12 @@ def _check_resume(args: argparse.Namespace) -> str | None:
             f"--resume {args.resume}: not a checkpoint (not a torch.save archive; damaged or "
             "another kind of file)"
         )
-    from gallery.common.checkpoint import CheckpointError, resolve_checkpoint
-
+    resolve = registry.lookup(args.model).resolve_checkpoint
+    if resolve is None:  # the model's own trainer checks its checkpoints
+        return None
     try:
-        path, state = resolve_checkpoint(args.resume, warn=_say)
-    except CheckpointError as e:
+        path, state = resolve(args.resume, warn=_say)
+    except ValueError as e:  # one line naming the file (e.g. the gallery's CheckpointError)
         return f"--resume {e}"
     trained = state.get("model_name") or (state.get("args") or {}).get("model")
     if trained is not None and trained != args.model:
@@ -284,7 +323,7 @@ def _interrupted_before_start(signum: int) -> int:
 def _main(argv: list[str] | None) -> int:
     signal.signal(signal.SIGTERM, _sigterm_to_exception)
     args = parse_args(argv)
-    module = MODELS[args.model]
+    worker = args.script or registry.lookup(args.model).worker
 
     root = str(repo_root())
     if root not in sys.path:
@@ -310,7 +349,7 @@ def _main(argv: list[str] | None) -> int:
     problem = _preflight(args, spawning=not in_place)
     if problem:
         return _fail(problem)
-    wargs = worker_argv(args)
+    wargs = args.script_args if args.script else worker_argv(args)
     nnodes, node_rank = args.nnodes, args.node_rank
     master_addr = args.master_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
     if mpi is not None and nproc == 1:
@@ -318,18 +357,18 @@ def _main(argv: list[str] | None) -> int:
         os.environ.update(mpi)
         if mpi["RANK"] == "0":
             print(
-                f"[launch] {args.model}: mpirun, {mpi['WORLD_SIZE']} process(es), this is rank "
-                f"{mpi['RANK']} (local {mpi['LOCAL_RANK']}), master "
+                f"[launch] {args.script or args.model}: mpirun, {mpi['WORLD_SIZE']} process(es), "
+                f"this is rank {mpi['RANK']} (local {mpi['LOCAL_RANK']}), master "
                 f"{mpi['MASTER_ADDR']}:{mpi['MASTER_PORT']}",
                 flush=True,
             )
-        return _run_in_process(module, wargs)
+        return _run_in_process(worker, wargs)
     if mpi is not None:
         # mpirun started one launcher per node (--nproc_per_node > 1): MPI ranks are nodes.
         nnodes, node_rank = int(mpi["WORLD_SIZE"]), int(mpi["RANK"])
         master_addr, master_port = mpi["MASTER_ADDR"], int(mpi["MASTER_PORT"])
     elif _already_a_worker(os.environ):
-        return _run_in_process(module, wargs)
+        return _run_in_process(worker, wargs)
     elif args.master_port is not None:
         master_port = args.master_port
     elif nnodes == 1:
@@ -348,13 +387,13 @@ def _main(argv: list[str] | None) -> int:
         f"--node_rank={node_rank}",
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
-        "--module",
-        module,
-        *wargs,
+        *_worker_command(worker, wargs),
     ]
     mode = "torchacc (--compiler-opt)" if args.compiler_opt else "eager (DDP)"
+    if args.script:
+        mode = "torchacc (--compiler-opt)" if args.compiler_opt else "eager"
     print(
-        f"[launch] {args.model}: {mode}, {nnodes} node(s) x {nproc} process(es), "
+        f"[launch] {args.script or args.model}: {mode}, {nnodes} node(s) x {nproc} process(es), "
         f"master {master_addr}:{master_port}",
         flush=True,
     )

@@ -1,26 +1,31 @@
 """The launcher's command line: flags, their value types and checks, and the worker's argv.
 
-``torchacc.launch`` parses with ``parse_args`` and hands ``worker_argv`` to each worker.
+``torchacc.launch`` parses with ``parse_args`` and hands ``worker_argv`` to each worker. The
+``--model`` names come from the model registry (``torchacc/launch_registry.py``), which the
+gallery (or any package) fills; this module knows no model.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
+import sys
 
-# --model name -> worker module. GPT and LLaMA names are the configurations in
-# gallery/gpt/model.py and gallery/llama/model.py.
-MODELS: dict[str, str] = {
-    "resnet50": "gallery.resnet50.main",
-    "resnet-tiny": "gallery.resnet50.main",  # ResNet-50's blocks at CI size (resnet50/model.py)
-    "gpt2": "gallery.gpt.main",
-    "gpt2-medium": "gallery.gpt.main",
-    "gpt2-large": "gallery.gpt.main",
-    "gpt-mini": "gallery.gpt.main",
-    "gpt-tiny": "gallery.gpt.main",
-    "llama-1b": "gallery.llama.main",
-    "llama-tiny": "gallery.llama.main",
-}
+
+def _load_registry():
+    """``torchacc.launch_registry``: already loaded by the launcher (from its file, without the
+    ``torchacc`` package), else imported."""
+    mod = sys.modules.get("torchacc.launch_registry")
+    return mod if mod is not None else importlib.import_module("torchacc.launch_registry")
+
+
+registry = _load_registry()
+# --model name -> worker (a read-only view of the registry)
+MODELS = registry.MODELS
+
+# Flags a training script may be launched with (they set TORCHACC_COMPILER_OPT/KERNEL_OPT).
+_SCRIPT_FLAGS = ("compiler_opt", "kernel_opt")
 
 # Flags that only the launcher reads; everything else is forwarded to the workers.
 LAUNCH_ONLY = (
@@ -30,6 +35,8 @@ LAUNCH_ONLY = (
     "master_addr",
     "master_port",
     "oversubscribe",
+    "script",
+    "script_args",
 )
 
 
@@ -113,6 +120,16 @@ def profile_window(text: str) -> tuple[int, int]:
     return int(start), int(stop)
 
 
+def _model(text: str) -> str:
+    """A registered ``--model`` name, or ``MODULE:FUNCTION`` (a training entry of one's own)."""
+    if text in MODELS or registry.is_entry(text):
+        return text
+    known = ", ".join(repr(n) for n in sorted(MODELS))
+    raise argparse.ArgumentTypeError(
+        f"invalid choice: {text!r} (choose from {known}, or give MODULE:FUNCTION)"
+    )
+
+
 def _existing_path(text: str) -> str:
     if not os.path.exists(text):
         raise argparse.ArgumentTypeError(f"checkpoint {text!r} does not exist")
@@ -140,8 +157,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="launch_single_task.py",
         description=(
-            "Train a gallery model as eager PyTorch (DDP + AMP; the baseline) or, with "
-            "--compiler-opt, through torchacc's lazy XLA device. Workers are started with "
+            "Train a registered model (the gallery's) as eager PyTorch (DDP + AMP; the baseline) "
+            "or, with --compiler-opt, through torchacc's lazy XLA device; or run a training "
+            "script of one's own in every worker. Workers are started with "
             "torch.distributed.run, or run in place under mpirun/torchrun."
         ),
         allow_abbrev=False,
@@ -172,7 +190,15 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("model and mode")
-    g.add_argument("--model", choices=sorted(MODELS), default="resnet50", help="gallery model")
+    g.add_argument(
+        "--model",
+        type=_model,
+        default="resnet50",
+        metavar="NAME",
+        help="a registered model (the gallery's: "
+        + ", ".join(sorted(MODELS))
+        + ") or MODULE:FUNCTION, called in each worker with the training flags' argv",
+    )
     g.add_argument(
         "--compiler-opt",
         "--compiler_opt",
@@ -354,9 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensorboard",
         metavar="DIR",
         default=None,
-        help="rank 0 writes TensorBoard scalars (loss, samples/s, step time, lr, peak memory, "
-        "compiles, loss scale) and the run's flags as hparams to DIR (needs the tensorboard or "
-        "tensorboardX package)",
+        help="rank 0 writes TensorBoard scalars (loss, samples/s, tokens/s, step time, lr, peak "
+        "memory, compiles, loss scale, TFLOP/s per device and MFU) and the run's flags as hparams "
+        "to DIR (needs the tensorboard or tensorboardX package)",
+    )
+    g.add_argument(
+        "--peak_tflops",
+        type=_positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="the device's dense peak TFLOP/s for the MFU in the log (default: from the device "
+        "kind, e.g. 989.4 for an H100 SXM in bf16; a CPU has none: MFU n/a)",
     )
     g.add_argument(
         "--profile",
@@ -373,6 +407,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="where --profile writes (default: the --tensorboard DIR, where TensorBoard's "
         "profile plugin finds it)",
     )
+
+    g = p.add_argument_group("a training script of one's own (instead of --model)")
+    g.add_argument(
+        "script",
+        nargs="?",
+        default=None,
+        help="a Python script each worker runs (as torchrun would), with the flags after it",
+    )
+    g.add_argument("script_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     return p
 
 
@@ -385,13 +428,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(f"--node_rank {args.node_rank} must be < --nnodes {args.nnodes}")
     if args.nnodes > 1 and args.master_addr is None and "MASTER_ADDR" not in os.environ:
         parser.error("--nnodes > 1 needs --master_addr (the address of node 0)")
-    if MODELS[args.model] == MODELS["resnet50"]:
+    _check_script(parser, args)
+    model = registry.lookup(args.model)
+    if model.inputs == "images":
         if args.seq_len is not None:
             parser.error(f"--seq_len applies to the gpt models, not {args.model}")
-    else:
+    elif model.inputs == "tokens":
         if args.data != "mock":
             parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
-        block = _gpt_block_size(args.model) if args.seq_len is not None else None
+        block = _block_size(model) if args.seq_len is not None else None
         if block is not None and args.seq_len > block:
             parser.error(f"--seq_len {args.seq_len} > {args.model}'s block size {block}")
     if args.torch_compile and args.compiler_opt:
@@ -434,7 +479,7 @@ def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
         parser.error("--mesh is for --fsdp --compiler-opt (the SPMD mesh of the sharded step)")
     if not args.fsdp:
         return
-    if args.model in ("resnet50", "resnet-tiny"):
+    if not registry.lookup(args.model).shards:
         parser.error(f"--fsdp shards the gpt and llama models, not {args.model}")
     if args.compiler_opt and (args.compile_mode == "dynamo" or args.nproc_per_node != 1):
         parser.error(
@@ -458,16 +503,32 @@ def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespac
         parser.error("--compile_mode=dynamo needs --compiler-opt (it selects the compiler path)")
 
 
-def _gpt_block_size(model: str) -> int | None:
-    try:
-        if MODELS.get(model) == "gallery.llama.main":
-            from gallery.llama.model import CONFIGS
-        else:
-            from gallery.gpt.model import CONFIGS
-    except ImportError:  # the gallery is not importable from here: the worker checks it
+def _block_size(model) -> int | None:
+    if model.block_size is None:
         return None
-    cfg = CONFIGS.get(model)
-    return None if cfg is None else cfg.block_size
+    try:
+        return model.block_size()
+    except ImportError:  # the model's package is not importable from here: the worker checks it
+        return None
+
+
+def _check_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A script runs with its own flags (those after its path): the launcher's training flags,
+    which only registered models and entries read, are refused rather than dropped."""
+    if args.script is None:
+        if args.script_args:
+            parser.error(f"unrecognized arguments: {' '.join(args.script_args)}")
+        return
+    if not os.path.isfile(args.script):
+        parser.error(f"{args.script}: no such script (a training script to run in each worker)")
+    for action in parser._actions:
+        if not action.option_strings or action.dest in LAUNCH_ONLY + _SCRIPT_FLAGS:
+            continue
+        if action.dest != "help" and getattr(args, action.dest) != action.default:
+            parser.error(
+                f"{action.option_strings[0]} is a flag of the launcher's models; a script takes "
+                f"its own flags after its path ({args.script} ...)"
+            )
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:

@@ -100,6 +100,26 @@ def device_limit(compiler_opt: bool, environ=None) -> tuple[int, str]:
     return cpus, f"{cpus} CPU core(s) ({'TORCHACC_DEVICE=cpu' if gpus else 'no GPU'})"
 
 
+def _cpu_devices_per_process(env) -> int:
+    """XLA:CPU devices each process gets: ``CPU_NUM_DEVICES`` (torch_xla's variable, read by
+    ``torchacc/_jaxconfig.py``) or XLA's ``--xla_force_host_platform_device_count``, else 1."""
+    text = env.get("CPU_NUM_DEVICES", "").strip()
+    if text and env.get("PJRT_DEVICE", "CPU").strip().upper() == "CPU" and text.isdigit():
+        return max(int(text), 1)
+    m = re.search(r"--xla_force_host_platform_device_count=(\d+)", env.get("XLA_FLAGS", ""))
+    return max(int(m.group(1)), 1) if m else 1
+
+
+def compiler_devices(nproc: int, environ=None) -> int:
+    """The devices ``--compiler-opt`` workers drive on this node: its GPUs (all of them, by one
+    process or one each), else ``nproc`` x each process's XLA:CPU devices."""
+    env = os.environ if environ is None else environ
+    gpus = cuda_device_count()
+    if gpus > 0 and not _forced_cpu(env):
+        return gpus
+    return nproc * _cpu_devices_per_process(env)
+
+
 def nproc_error(nproc: int, compiler_opt: bool, oversubscribe: bool) -> str | None:
     """The error line for ``--nproc_per_node nproc`` on this node, or None if it fits."""
     limit, what = device_limit(compiler_opt)

@@ -228,6 +228,7 @@ class JaxPiece:
             exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
         metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
         metrics.counter_inc("DynamoCompile")
+        metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
         self._exes[statics] = exe
         return exe
 
@@ -253,8 +254,7 @@ def _to_jax(value, device):
 
 
 def to_torch(value, cuda, dtype=None):
-    """``value`` (a JAX array or a list of them) as torch tensors: on the CPU/CUDA, or on the
-    torchacc device as ``dtype`` when ``cuda`` is ``"device"``."""
+    """``value`` (JAX arrays) as torch tensors; ``cuda == "device"``: torchacc's, of ``dtype``."""
     if isinstance(value, jax.Array):
         if cuda == "device":
             return handoff.tensor_of(value, dtype)
@@ -358,9 +358,8 @@ class Lowered:
         self._prog_dtypes = [_val(o).dtype for o in ordered]
 
     def keep_shardings(self, pairs):
-        """On the torchacc device (SPMD): each ``(graph output, graph input)`` of ``pairs`` gives
-        that output its input's sharding (state overwritten by the step, a gradient like its
-        parameter; Note [Device tensors in a trace-once program])."""
+        """SPMD: each ``(graph output, graph input)`` of ``pairs`` gives that output its input's
+        sharding (Note [Device tensors in a trace-once program] in engine/handoff.py)."""
         if not (self.on_device and self._fast):
             return
         piece = self.pieces[0]
@@ -394,6 +393,7 @@ class Lowered:
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
+        metrics.program_ran(exe)
         if self.on_device:
             outs = list(map(handoff.tensor_of, outs, self._prog_dtypes))
             conv = bridge.same
@@ -455,6 +455,7 @@ class Lowered:
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
+        metrics.program_ran(exe)
         if not self.cuda:
             jax.block_until_ready(outs)
         if self.on_device:
@@ -501,7 +502,6 @@ def _graph_device(placeholders, graph):
             ):
                 return t.device
     return torch.device("cpu")
-
 
 
 def _output_fixups(outs, placeholders):

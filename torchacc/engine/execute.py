@@ -137,6 +137,7 @@ def _launch(exe, args, outputs, plan, n_ops):
     if mesh.is_spmd():  # torch_xla's names for a program over every device
         metrics.record_time("ExecuteReplicatedTime", seconds)
         metrics.counter_inc("ExecuteReplicated")
+    metrics.program_ran(exe)  # Note [Step FLOPs]
     pack.bind(results, outputs, plan.out_codes, plan.out_packs, plan.out_order)
     packs, loose = plan.packs, plan.loose
     n_packs = len(packs)

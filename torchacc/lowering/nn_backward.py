@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from torchacc.lowering import custom_ops as ops
-from torchacc.lowering import memory, nn
+from torchacc.lowering import memory, nn, pooling, resize
 from torchacc.lowering.dtypes import jdtype, opmath
 from torchacc.lowering.nn import acc_dtype, aten, scalar
 from torchacc.lowering.registry import register
@@ -107,14 +107,14 @@ def max_pool2d_with_indices_backward(
     # Dense instead of a scatter: for each kernel offset, keep the gradient of the windows whose
     # index points at that offset and route it back through the transpose of the forward's
     # strided window slice (a pad). Fusable and deterministic; sums overlapping windows.
-    k, s, p, d = nn.pool_args(kernel_size, stride, padding, dilation)
+    k, s, p, d = pooling.pool_args(kernel_size, stride, padding, dilation)
     out = grad_output.shape[-2:]
-    base, offs = nn.pool_flat_offsets(k, s, p, d, out, self.shape[-1])
+    base, offs = pooling.pool_flat_offsets(k, s, p, d, out, self.shape[-1])
     g = opmath(grad_output)
     zero = jnp.zeros((), g.dtype)
     ct = jnp.stack([jnp.where(indices == jnp.asarray(base + o), g, zero) for o in offs])
     x0 = jnp.zeros(self.shape, g.dtype)
-    _, vjp = jax.vjp(lambda x: nn.pool_windows(x, k, s, p, d, out, 0)[0], x0)
+    _, vjp = jax.vjp(lambda x: pooling.pool_windows(x, k, s, p, d, out, 0)[0], x0)
     return vjp(ct)[0].astype(grad_output.dtype)
 
 
@@ -134,7 +134,7 @@ def avg_pool2d_backward(
     grad_output, self, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
 ):
     def f(x):
-        return nn.avg_pool2d(
+        return pooling.avg_pool2d(
             x, kernel_size, stride, padding, ceil_mode, count_include_pad, divisor_override
         )
 
@@ -144,7 +144,7 @@ def avg_pool2d_backward(
 @register(aten._adaptive_avg_pool2d_backward.default)
 def adaptive_avg_pool2d_backward(grad_output, self):
     return _linear_vjp(
-        lambda x: nn.adaptive_avg_pool2d(x, grad_output.shape[-2:]), self, grad_output
+        lambda x: pooling.adaptive_avg_pool2d(x, grad_output.shape[-2:]), self, grad_output
     )
 
 
@@ -471,7 +471,7 @@ def sdpa_efficient_backward(
 @register(aten.upsample_nearest2d_backward.default, static=("scales_h", "scales_w"))
 def upsample_nearest2d_backward(grad_output, output_size, input_size, scales_h=None, scales_w=None):
     def f(x):
-        return nn.upsample_nearest(x, tuple(output_size), (scales_h, scales_w))
+        return resize.upsample_nearest(x, tuple(output_size), (scales_h, scales_w))
 
     return _linear_vjp(f, tuple(input_size), grad_output)
 
@@ -481,6 +481,6 @@ def upsample_bilinear2d_backward(
     grad_output, output_size, input_size, align_corners, scales_h=None, scales_w=None
 ):
     def f(x):
-        return nn.upsample_linear(x, tuple(output_size), align_corners, (scales_h, scales_w))
+        return resize.upsample_linear(x, tuple(output_size), align_corners, (scales_h, scales_w))
 
     return _linear_vjp(f, tuple(input_size), grad_output)

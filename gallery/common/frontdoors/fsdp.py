@@ -1,0 +1,142 @@
+"""The fully sharded front doors (``--fsdp``): FSDPv2 through XLA's SPMD partitioner over a
+(data, fsdp) mesh of every device with ``--compiler-opt`` (sharded DCP checkpoints: each process
+writes its own shards, a resume reshards to this run's layout), else torch's FSDP2
+(``fully_shard``) on the eager device."""
+
+from __future__ import annotations
+
+import os
+
+import torch.distributed as dist
+
+from gallery.common.exits import exit_reported
+from gallery.common.frontdoors.compiler import Compiler
+from gallery.common.frontdoors.eager import Eager
+
+__all__ = ["FSDPv2", "EagerFSDP"]
+
+
+def _as_tuple(inputs) -> tuple:
+    """A batch's inputs: one tensor, or a tuple of tensors (packed rows: ids, position ids)."""
+    return inputs if isinstance(inputs, tuple) else (inputs,)
+
+
+def sharded_state(model, optimizer, step):
+    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+
+
+class FSDPv2(Compiler):
+    sharded = True
+    own_checkpoints = True  # sharded DCP checkpoints, DIR/<step>/
+
+    def start(self) -> None:
+        import torchacc.torch_xla.runtime as xr
+
+        xr.use_spmd()  # SPMD mode before the device is first used (torch_xla's order)
+        self.mesh = None
+        self.manager = None
+
+    def shard(self, model):
+        """FSDPv2 over a (data, fsdp) mesh of every device; logs each device's parameter bytes."""
+        import numpy as np
+
+        import torchacc.torch_xla.distributed.spmd as xs
+        import torchacc.torch_xla.runtime as xr
+        from torchacc.distributed import sharding
+        from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (
+            SpmdFullyShardedDataParallel,
+        )
+
+        args, n = self.args, xr.global_runtime_device_count()
+        data, shards = (int(x) for x in args.mesh.split(",")) if args.mesh else (1, n)
+        if data * shards != n:
+            line = f"--mesh {data},{shards} holds {data * shards} devices; this job has {n}"
+            raise exit_reported(2, f"error: {line}", self.rank)
+        self.mesh = xs.Mesh(np.arange(n), (data, shards), ("data", "fsdp"))
+        wrapped = SpmdFullyShardedDataParallel(model, self.mesh, extra_data_axis="data")
+        per_device = sharding.per_device_bytes(list(model.parameters()))
+        self.logger.info(
+            f"fsdp: mesh data={data} x fsdp={shards}; parameter bytes per device "
+            f"{max(per_device.values()) if per_device else 0:,} "
+            f"(unsharded {sum(p.numel() * p.element_size() for p in model.parameters()):,})"
+        )
+        return wrapped
+
+    def to_device(self, inputs, target, channels_last: bool = False):
+        """The batch split over the mesh's data and fsdp axes."""
+        import torchacc.torch_xla.distributed.spmd as xs
+
+        inputs, target = super().to_device(inputs, target)
+        mesh = self.mesh
+        for t in (*_as_tuple(inputs), target):
+            if t.dim() and t.shape[0] % mesh.size() == 0:
+                xs.mark_sharding(t, mesh, (("data", "fsdp"),) + (None,) * (t.dim() - 1))
+        return inputs, target
+
+    def after_step(self, done: int, model, optimizer) -> None:
+        if done == 2 and self.rank == 0:  # the optimizer state exists now
+            from torchacc.distributed import sharding
+
+            report = sharding.memory_report(model, optimizer)
+            parts = [
+                f"{k.replace('_', ' ')} {max(v.values()) if v else 0:,}" for k, v in report.items()
+            ]
+            self.logger.info(f"fsdp: bytes per device after step 2: {', '.join(parts)}")
+
+    # ---- sharded checkpoints (DCP; torch_xla's CheckpointManager layout, DIR/<step>/)
+    def open_checkpoints(self, model, optimizer) -> int | None:
+        args = self.args
+        if not (args.save_dir or args.resume):
+            return 0
+        from torchacc.torch_xla.experimental.distributed_checkpoint import CheckpointManager
+
+        group = dist.new_group(backend="gloo")  # DCP's coordination ('xla' has no gather)
+        if args.save_dir:
+            self.manager = CheckpointManager(
+                args.save_dir, save_interval=1, max_to_keep=2, process_group=group
+            )
+        return self._restore(model, optimizer, group) if args.resume else 0
+
+    def _restore(self, model, optimizer, group) -> int:
+        """The newest step of ``--resume DIR`` loaded in place, resharded to this run's layout."""
+        from torchacc.torch_xla.experimental.distributed_checkpoint import (
+            CheckpointManager,
+            prime_optimizer,
+        )
+
+        args, rank = self.args, self.rank
+        manager = CheckpointManager(args.resume, save_interval=1, process_group=group)
+        steps = manager.all_steps()
+        if not steps:
+            line = f"error: --resume {args.resume}: no sharded checkpoint (<step>/ directories)"
+            raise exit_reported(2, line, rank)
+        prime_optimizer(optimizer)
+        state = sharded_state(model, optimizer, 0)
+        try:
+            manager.restore(max(steps), state)
+        except ValueError as e:
+            raise exit_reported(2, f"error: --resume {args.resume}: {e}", rank) from None
+        optimizer.load_state_dict(state["optimizer"])
+        return int(state["step"])
+
+    def save(self, step: int, model, optimizer, errors: list[str]) -> bool:
+        """Every process writes its shards of ``step``; False, after one line, if it failed."""
+        self.xm.mark_step()
+        try:
+            self.manager.save(step, sharded_state(model, optimizer, step), force=True)
+        except (OSError, RuntimeError) as e:
+            line = f"could not save the sharded checkpoint of step {step}: {e}"
+            self.logger.warning(line)
+            errors.append(line)
+            return False
+        self.logger.info(f"saved sharded checkpoint {os.path.join(self.args.save_dir, str(step))}")
+        return True
+
+
+class EagerFSDP(Eager):
+    """torch's FSDP2: the eager fallback of ``--fsdp --compiler-opt``."""
+
+    def wrap(self, model):
+        from torch.distributed.fsdp import fully_shard
+
+        return fully_shard(model)

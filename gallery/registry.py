@@ -1,0 +1,61 @@
+"""The gallery's models for the launcher's registry (``torchacc/launch_registry.py``).
+
+The launcher imports this module by name (a provider) and calls :func:`torchacc_models`. It
+imports nothing at module level: the model configurations (and torch) load only when a value
+needs them (a ``--seq_len`` bound, a ``--resume`` check).
+"""
+
+from __future__ import annotations
+
+__all__ = ["torchacc_models"]
+
+# --model name -> worker module. GPT and LLaMA names are the configurations in
+# gallery/gpt/model.py and gallery/llama/model.py (tests check they agree).
+_RESNETS = ("resnet50", "resnet-tiny")  # resnet-tiny: ResNet-50's blocks at CI size
+_GPTS = ("gpt2", "gpt2-medium", "gpt2-large", "gpt-mini", "gpt-tiny")
+_LLAMAS = ("llama-1b", "llama-tiny")
+
+
+def _block_size(module: str, name: str):
+    def read() -> int | None:
+        import importlib
+
+        configs = importlib.import_module(module).CONFIGS
+        cfg = configs.get(name)
+        return None if cfg is None else cfg.block_size
+
+    return read
+
+
+def _resolve_checkpoint(path: str, warn=None):
+    """The gallery trainer's checkpoint (``gallery/common/checkpoint.py``): one safe load."""
+    from gallery.common.checkpoint import resolve_checkpoint
+
+    return resolve_checkpoint(path, warn=warn)  # CheckpointError is a ValueError
+
+
+def torchacc_models() -> list[dict]:
+    out = [
+        dict(
+            name=n,
+            worker="gallery.resnet50.main",
+            inputs="images",
+            shards=False,
+            resolve_checkpoint=_resolve_checkpoint,
+        )
+        for n in _RESNETS
+    ]
+    for names, worker, configs in (
+        (_GPTS, "gallery.gpt.main", "gallery.gpt.model"),
+        (_LLAMAS, "gallery.llama.main", "gallery.llama.model"),
+    ):
+        out += [
+            dict(
+                name=n,
+                worker=worker,
+                block_size=_block_size(configs, n),
+                resolve_checkpoint=_resolve_checkpoint,
+            )
+            for n in names
+        ]
+    return out

@@ -1,0 +1,134 @@
+"""The launcher's model registry: ``--model NAME`` -> the worker that trains it.
+
+The launcher knows no model itself. Packages that ship models fill this registry, and the launcher
+reads it when it parses ``--model``:
+
+* a *provider* module, imported by name, whose ``torchacc_models()`` returns a list of dicts
+  (the keyword arguments of :func:`register`). The providers are the module names in
+  ``TORCHACC_MODEL_PROVIDERS`` (comma-separated), the ``torchacc.models`` entry points of the
+  installed packages, and ``gallery.registry`` (the checkout's gallery) when it is importable.
+  A provider imports nothing heavy: the launcher stays fast and the eager path free of JAX;
+* :func:`register`, called before :func:`torchacc.launch.main` by a program of one's own.
+
+Besides registered names, ``--model MODULE:FUNCTION`` names a training entry of one's own: each
+worker calls ``FUNCTION(argv)`` of ``MODULE`` with the training flags (the contract of the
+gallery's ``gallery/<model>/main.py:main``), and a script path given after the launcher's flags
+runs as a script (``python -m torchacc.launch --nproc_per_node 2 train.py --its-flags``).
+
+Standard library only: the launcher loads this file without importing the ``torchacc`` package.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+
+__all__ = ["Model", "register", "models", "lookup", "MODELS", "PROVIDER_ENV"]
+
+PROVIDER_ENV = "TORCHACC_MODEL_PROVIDERS"
+_DEFAULT_PROVIDERS = ("gallery.registry",)  # the checkout's gallery, when importable
+_ENTRY_POINT_GROUP = "torchacc.models"
+
+
+@dataclass(frozen=True)
+class Model:
+    """One ``--model`` name.
+
+    ``worker``: the module each worker runs (``python -m worker``; it parses the training flags
+    itself), or ``MODULE:FUNCTION`` called with the training flags' argv. ``inputs``: ``"images"``
+    (``--data DIR``, ``--image_size``) or ``"tokens"`` (``--seq_len``, mock tokens only).
+    ``block_size``: a callable giving the longest ``--seq_len`` (None: unknown, the worker checks).
+    ``resolve_checkpoint``: ``(path, warn) -> (file, state)``, raising ``ValueError`` with one
+    line for a ``--resume`` that is no checkpoint of this trainer (None: the worker checks).
+    ``shards``: whether ``--fsdp`` applies.
+    """
+
+    name: str
+    worker: str
+    inputs: str = "tokens"
+    block_size: Callable[[], int | None] | None = None
+    resolve_checkpoint: Callable | None = None
+    shards: bool = True
+
+
+_registered: dict[str, Model] = {}
+_loaded = False
+
+
+def register(name: str, worker: str, **fields) -> Model:
+    """Add (or replace) ``--model name``; ``fields`` are :class:`Model`'s other fields."""
+    if fields.get("inputs", "tokens") not in ("images", "tokens"):
+        raise ValueError(f"register({name!r}): inputs must be 'images' or 'tokens'")
+    model = Model(name=name, worker=worker, **fields)
+    _registered[name] = model
+    return model
+
+
+def _provider_names() -> list[str]:
+    names = [n.strip() for n in os.environ.get(PROVIDER_ENV, "").split(",") if n.strip()]
+    try:
+        from importlib.metadata import entry_points
+
+        names += [ep.value for ep in entry_points(group=_ENTRY_POINT_GROUP)]
+    except Exception:  # no metadata (a bare checkout): the other providers still count
+        pass
+    return names + [n for n in _DEFAULT_PROVIDERS if n not in names]
+
+
+def _load_providers() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    explicit = {n.strip() for n in os.environ.get(PROVIDER_ENV, "").split(",") if n.strip()}
+    for name in _provider_names():
+        try:
+            module = importlib.import_module(name.partition(":")[0])
+        except ImportError:
+            if name in explicit:
+                raise ImportError(f"{PROVIDER_ENV}: cannot import provider {name!r}") from None
+            continue  # e.g. no gallery next to a pip install
+        for entry in module.torchacc_models():
+            entry = dict(entry)
+            if entry["name"] not in _registered:  # register() beats a provider
+                register(entry.pop("name"), entry.pop("worker"), **entry)
+
+
+def models() -> dict[str, Model]:
+    """Every registered model, by name (the providers are imported on the first call)."""
+    _load_providers()
+    return dict(_registered)
+
+
+def is_entry(name: str) -> bool:
+    """``MODULE:FUNCTION``: a training entry of one's own, not a registered name."""
+    module, sep, func = name.partition(":")
+    return bool(sep and module and func.isidentifier())
+
+
+def lookup(name: str) -> Model:
+    """The model of ``--model name``: a registered one, or a ``MODULE:FUNCTION`` entry."""
+    found = models().get(name)
+    if found is not None:
+        return found
+    if is_entry(name):
+        return Model(name=name, worker=name, shards=True)
+    raise KeyError(name)
+
+
+class _Names(Mapping):
+    """``--model`` name -> worker (a read-only view; the providers load on first use)."""
+
+    def __getitem__(self, name: str) -> str:
+        return models()[name].worker
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(models())
+
+    def __len__(self) -> int:
+        return len(models())
+
+
+MODELS: Mapping[str, str] = _Names()
