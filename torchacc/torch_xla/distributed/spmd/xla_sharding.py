@@ -373,8 +373,12 @@ def _dtensor_spec(t):
     else:
         named = engine.sharding_of(t.global_tensor)
         jmesh = getattr(named, "mesh", None)
-        if jmesh is None:  # no sharding: replicated over every device
-            shape, ids, spec = (engine.device_count(),), list(range(engine.device_count())), []
+        if jmesh is None:  # a CPU tensor, or a pending result no mark laid out
+            raise ValueError(
+                f"XLAShardedTensor: a tensor of shape {tuple(t.shape)} on {t.global_tensor.device} "
+                "has no sharding to describe as DTensor placements; mark it with "
+                "xs.mark_sharding (or pass mesh_shape= and partition_spec=)"
+            )
         else:
             shape = tuple(jmesh.devices.shape)
             ids = [engine.ordinal(d) for d in jmesh.devices.flat]
