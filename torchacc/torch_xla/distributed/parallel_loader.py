@@ -14,6 +14,12 @@ torch_xla, taking the next batch first runs ``mark_step()`` (every ``batches_per
 batches), so a training loop over the loader needs no explicit sync; the loader also syncs when it
 is exhausted. Batches may be tensors or (nested) lists / tuples / dicts of them; other values pass
 through unchanged.
+
+In SPMD mode ``input_sharding`` lays each batch out as it is uploaded (every device gets only its
+shard). In a job of several processes every batch is this process's share of the global batch
+(a ``DistributedSampler`` per rank), whatever ``ShardingSpec.minibatch`` says: the global array's
+dimension 0 is every process's batch in process order (Note [Per-process batches] in
+torchacc/sharding/data.py); without ``input_sharding`` it is split over every mesh axis.
 """
 
 from __future__ import annotations
@@ -23,12 +29,12 @@ import threading
 
 import torch
 
-from torchacc.accel.loader import upload_tree as _upload_tree
-from torchacc.accel.loader import wrap_tree as _wrap_tree
-
 # the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
 # torchacc.AsyncLoader
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.sharding.data import BatchAgreement, batch_layout
+from torchacc.sharding.data import upload_tree as _upload_tree
+from torchacc.sharding.data import wrap_tree as _wrap_tree
 
 _END = object()
 
@@ -102,6 +108,8 @@ class ParallelLoader:
         self._queue = queue.Queue(maxsize=max(1, int(device_prefetch_size)))
         self._done = threading.Event()
         torchacc.jax_device()  # pick (and join a multi-process job for) the device on this thread
+        self._layout = batch_layout(input_sharding)
+        self._agreement = BatchAgreement()
         self._thread = threading.Thread(target=self._worker, name="torchacc-loader", daemon=True)
         self._thread.start()
 
@@ -143,10 +151,14 @@ class ParallelLoader:
     def _worker(self):
         try:
             for batch in self._loader:
-                if self._done.is_set() or not self._put(("batch", _upload_tree(batch))):
+                if not self._agreement.check(batch, self._done):
+                    return
+                uploaded = _upload_tree(batch, self._layout)
+                if self._done.is_set() or not self._put(("batch", uploaded)):
                     return
                 if self._done.is_set():  # closed while this batch waited: draw no more
                     return
+            self._agreement.check(None, self._done)
         except BaseException as e:  # re-raised in the consuming thread
             self._put(("error", e))
             return
