@@ -354,7 +354,9 @@ def main(argv=None):
     elif not argv:
         sys.stdout.write(table())
     else:
-        raise SystemExit("usage: python -m torchacc.torch_xla._coverage [--write docs/torch-xla.md]")
+        raise SystemExit(
+            "usage: python -m torchacc.torch_xla._coverage [--write docs/torch-xla.md]"
+        )
 
 
 if __name__ == "__main__":
