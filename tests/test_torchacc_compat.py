@@ -3,6 +3,8 @@
 and the ``ta.*`` names (``ta.lazy_device``, ``ta.dist.local_rank``, ``ta.amp.GradScaler``,
 ``torchacc.utils``...)."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -56,3 +58,84 @@ def test_format_of_a_non_scalar_is_torch_s():
         format(v, ".4f")
     with pytest.raises(TypeError, match="unsupported format string"):
         format(t, ".4f")
+
+
+# --------------------------------------------------------------------------------------------
+# torch.cuda.amp.autocast / torch.autocast('cuda') around device code
+
+
+def _data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 8, generator=g), torch.randn(8, 8, generator=g)
+
+
+def test_cuda_autocast_casts_device_tensors_like_autocast_on_the_device():
+    a, b = _data()
+    da, db = a.to(ta.device()), b.to(ta.device())
+    ref_mm = a.bfloat16() @ b.bfloat16()  # CUDA's policy: matmul low, layer_norm float32
+    ref_ln = torch.nn.functional.layer_norm(ref_mm.float(), (8,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        region = torch.cuda.amp.autocast(dtype=torch.bfloat16)
+    # torch's deprecation of torch.cuda.amp.autocast only: no "CUDA is not available. Disabling"
+    assert [w.category for w in caught] == [FutureWarning], [str(w.message) for w in caught]
+    with region:
+        mm = da @ db
+        ln = torch.nn.functional.layer_norm(mm, (8,))
+    assert (mm.dtype, ln.dtype) == (torch.bfloat16, torch.float32)
+    torch.testing.assert_close(mm.cpu(), ref_mm, rtol=0, atol=0)
+    torch.testing.assert_close(ln.cpu(), ref_ln, rtol=1e-5, atol=1e-5)
+    assert (da @ db).dtype == torch.float32  # off again after the region
+
+
+def test_torch_autocast_cuda_default_dtype_nesting_and_restore():
+    a, b = _data()
+    da, db = a.to(ta.device()), b.to(ta.device())
+    with torch.autocast("cuda"):  # CUDA's default low dtype: float16
+        assert (da @ db).dtype == torch.float16
+        with torch.autocast("cuda", enabled=False):
+            assert (da @ db).dtype == torch.float32
+        assert (da @ db).dtype == torch.float16
+    with ta.amp.autocast(dtype=torch.float16):  # an outer torchacc region comes back intact
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            assert (da @ db).dtype == torch.bfloat16
+        assert (da @ db).dtype == torch.float16
+        assert torch.get_autocast_dtype("torchacc") == torch.float16
+    assert not torch.is_autocast_enabled("torchacc")
+    with torch.autocast("xla", dtype=torch.bfloat16):  # torch_xla scripts' device type
+        assert (da @ db).dtype == torch.bfloat16
+
+
+def test_cuda_autocast_region_left_by_an_exception_restores_the_state():
+    da = torch.ones(2, 2).to(ta.device())
+    with pytest.raises(RuntimeError, match="boom"):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            raise RuntimeError("boom")
+    assert not torch.is_autocast_enabled("torchacc")
+    assert (da @ da).dtype == torch.float32
+
+
+def test_cuda_autocast_training_step_matches_eager_autocast():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x, y = torch.randn(6, 8), torch.randint(0, 4, (6,))
+    ref = [p.detach().clone().requires_grad_() for p in model.parameters()]
+    dmodel = model.to(ta.device())
+
+    @torch.autocast("cuda", dtype=torch.bfloat16)  # the decorator form
+    def loss_fn(m, inp, tgt):
+        return torch.nn.functional.cross_entropy(m(inp), tgt)
+
+    loss = loss_fn(dmodel, x.to(ta.device()), y.to(ta.device()))
+    loss.backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        h = torch.relu(torch.nn.functional.linear(x, ref[0], ref[1]))
+        ref_loss = torch.nn.functional.cross_entropy(
+            torch.nn.functional.linear(h, ref[2], ref[3]), y
+        )
+    ref_loss.backward()
+    assert loss.dtype == ref_loss.dtype == torch.float32
+    torch.testing.assert_close(loss.cpu(), ref_loss.detach(), rtol=1e-2, atol=1e-2)
+    for p, r in zip(dmodel.parameters(), ref):
+        assert p.grad.dtype == torch.float32
+        torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=2e-2, atol=2e-2)
