@@ -3,6 +3,8 @@
 and the ``ta.*`` names (``ta.lazy_device``, ``ta.dist.local_rank``, ``ta.amp.GradScaler``,
 ``torchacc.utils``...)."""
 
+import logging
+import re
 import warnings
 
 import pytest
@@ -139,3 +141,138 @@ def test_cuda_autocast_training_step_matches_eager_autocast():
     for p, r in zip(dmodel.parameters(), ref):
         assert p.grad.dtype == torch.float32
         torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=2e-2, atol=2e-2)
+
+
+# --------------------------------------------------------------------------------------------
+# the ta.* namespace TorchAcc's scripts use
+
+
+def test_device_helpers():
+    assert ta.lazy_device() == ta.device()
+    assert ta.is_lazy_device(ta.lazy_device()) and ta.is_lazy_device("torchacc:0")
+    assert not ta.is_lazy_device("cpu")
+    t = torch.ones(2)
+    assert not ta.is_lazy_tensor(t) and ta.is_lazy_tensor(t.to(ta.lazy_device()))
+
+
+def test_fetch_gradients_lists_the_grads_in_optimizer_order():
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2), torch.nn.Linear(2, 1)).to(ta.device())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    assert ta.fetch_gradients(optimizer) == []
+    model(torch.ones(4, 3).to(ta.device())).sum().backward()
+    model[1].bias.grad = None
+    grads = ta.fetch_gradients(optimizer)
+    expected = [model[0].weight.grad, model[0].bias.grad, model[1].weight.grad]
+    assert len(grads) == 3
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g.cpu(), e.cpu())
+        g.mul_(2)  # .grad.data: scaling it in place (the scripts' all-reduce) changes the grad
+        torch.testing.assert_close(e.cpu(), g.cpu())
+
+
+def test_dist_ranks_in_one_process(monkeypatch):
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    assert (ta.dist.rank(), ta.dist.world_size(), ta.dist.local_rank()) == (0, 1, 0)
+    assert ta.dist.BACKEND_NAME == "lazy"
+    assert "LAZY" in torch.distributed.Backend._plugins  # init_process_group(backend="lazy")
+
+
+def test_grad_scaler_takes_torchacc_s_arguments():
+    scaler = ta.amp.GradScaler(2.0**10, growth_interval=3, use_zero_grad=False)
+    assert (scaler.get_scale(), scaler.get_growth_interval()) == (1024.0, 3)
+    default = ta.amp.GradScaler()
+    assert (default.get_scale(), default.get_growth_factor()) == (2.0**16, 2.0)
+
+
+def _linears(seed):
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Linear(6, 2))
+
+
+def test_gradient_checkpoint_by_class_name_matches_eager():
+    from torchacc.utils import checkpoint
+
+    ref, model = _linears(1), _linears(1)
+    x = torch.randn(3, 6)
+    assert checkpoint.gradient_checkpoint(model, {"Linear"}) is model  # on the CPU still
+    assert all("forward" in vars(m) for m in model if isinstance(m, torch.nn.Linear))
+    model.to(ta.device())
+    model(x.to(ta.device())).pow(2).sum().backward()
+    ref(x).pow(2).sum().backward()
+    for p, r in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.cpu(), r.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_gradient_checkpoint_names_a_missing_class():
+    from torchacc.utils import checkpoint
+
+    model = _linears(2)
+    with pytest.raises(ValueError, match=r"\['Block'\].*Sequential.*'Linear'"):
+        checkpoint.gradient_checkpoint(model, {"Linear", "Block"})
+    assert not any("forward" in vars(m) for m in model)  # nothing half-applied
+
+
+def test_logger():
+    import io
+
+    logger = ta.utils.logger
+    assert logger.name == "TorchAcc" and logger.level == logging.INFO
+    stream = io.StringIO()
+    old = logger.handlers[0].setStream(stream)
+    try:
+        logger.info("step: 1, loss: %s", f"{torch.tensor(0.25).to(ta.device())}")
+        logger.debug("not shown at INFO")
+    finally:
+        logger.handlers[0].setStream(old)
+    assert re.fullmatch(r"\[\d{4}-.+ - INFO\] step: 1, loss: 0\.25\n", stream.getvalue())
+
+
+def _eager_reference(steps=2, world=2):
+    """The worker's training, on the CPU: per-rank grads under bf16 autocast, averaged."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    batches = []
+    for rank in range(world):
+        g = torch.Generator().manual_seed(100 + rank)
+        batches.append((torch.randn(4, 8, generator=g), torch.randint(0, 4, (4,), generator=g)))
+    losses = [[] for _ in range(world)]
+    for _ in range(steps):
+        grads = []
+        for rank, (x, y) in enumerate(batches):
+            model.zero_grad()
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = torch.nn.functional.cross_entropy(model(x).float(), y)
+            loss.backward()
+            losses[rank].append(loss.item())
+            grads.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(model.parameters()):
+                p -= 0.1 * (grads[0][i] + grads[1][i]) / world
+    return losses, model[0].weight.detach().flatten()[:4]
+
+
+def test_torchacc_style_script_under_torchrun():
+    import json
+    import subprocess
+    import sys
+
+    from tests.distributed_launch import REPO, env, free_port
+
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
+    cmd += ["--master_port", str(free_port()), f"{REPO}/tests/torchacc_compat_worker.py"]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    losses, weight = _eager_reference()
+    assert [(r["rank"], r["local_rank"], r["world"]) for r in ranks] == [(0, 0, 2), (1, 1, 2)]
+    assert {r["backend"] for r in ranks} == {"lazy"} and {r["low"] for r in ranks} == {
+        "torch.bfloat16"
+    }
+    for r in ranks:
+        got = [float(line.removeprefix("loss: ")) for line in r["lines"]]
+        assert all(line.startswith("loss: ") and "E" in line for line in r["lines"])
+        torch.testing.assert_close(got, losses[r["rank"]], rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(torch.tensor(r["weight"]), weight, rtol=2e-2, atol=2e-2)
