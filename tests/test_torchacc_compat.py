@@ -276,3 +276,17 @@ def test_torchacc_style_script_under_torchrun():
         assert all(line.startswith("loss: ") and "E" in line for line in r["lines"])
         torch.testing.assert_close(got, losses[r["rank"]], rtol=2e-2, atol=2e-2)
         torch.testing.assert_close(torch.tensor(r["weight"]), weight, rtol=2e-2, atol=2e-2)
+
+
+def test_dist_init_process_group_checks_an_existing_group(monkeypatch):
+    import torch.distributed as td
+
+    monkeypatch.setattr(td, "is_initialized", lambda: True)
+    monkeypatch.setattr(td, "get_backend", lambda group=None: "xla")
+    ta.dist.init_process_group(ta.Config())  # the lazy backend's group under torchacc's name
+    monkeypatch.setattr(td, "get_backend", lambda group=None: "gloo")
+    with pytest.raises(ValueError, match=r"backend 'gloo', but config.backend='lazy' needs 'lazy'"):
+        ta.dist.init_process_group(ta.Config())
+    eager = ta.Config()
+    eager.backend = "eager"
+    ta.dist.init_process_group(eager)  # gloo: what the eager backend uses without CUDA
