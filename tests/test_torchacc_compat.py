@@ -290,3 +290,8 @@ def test_dist_init_process_group_checks_an_existing_group(monkeypatch):
     eager = ta.Config()
     eager.backend = "eager"
     ta.dist.init_process_group(eager)  # gloo: what the eager backend uses without CUDA
+
+
+def test_syncfree_optimizers_under_ta():
+    assert ta.syncfree is ta.amp.syncfree
+    assert {"SGD", "Adam", "AdamW"} <= set(dir(ta.syncfree))
