@@ -251,7 +251,7 @@ def _eager_reference(steps=2, world=2):
     return losses, model[0].weight.detach().flatten()[:4]
 
 
-def test_torchacc_style_script_under_torchrun():
+def test_torchacc_style_script_under_torchrun(tmp_path):
     import json
     import subprocess
     import sys
@@ -260,12 +260,11 @@ def test_torchacc_style_script_under_torchrun():
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2"]
     cmd += ["--master_port", str(free_port()), f"{REPO}/tests/torchacc_compat_worker.py"]
-    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    ranks = sorted(
-        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
-        key=lambda r: r["rank"],
+    proc = subprocess.run(
+        cmd, env=env(COMPAT_OUT=tmp_path), capture_output=True, text=True, timeout=300
     )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     losses, weight = _eager_reference()
     assert [(r["rank"], r["local_rank"], r["world"]) for r in ranks] == [(0, 0, 2), (1, 1, 2)]
     assert {r["backend"] for r in ranks} == {"lazy"} and {r["low"] for r in ranks} == {
@@ -295,3 +294,28 @@ def test_dist_init_process_group_checks_an_existing_group(monkeypatch):
 def test_syncfree_optimizers_under_ta():
     assert ta.syncfree is ta.amp.syncfree
     assert {"SGD", "Adam", "AdamW"} <= set(dir(ta.syncfree))
+
+
+def test_cuda_autocast_mirroring_can_be_switched_off():
+    import subprocess
+    import sys
+
+    from tests.distributed_launch import env
+
+    code = (
+        "import warnings, torch, torchacc as ta\n"
+        "a = torch.ones(2, 2).to(ta.device())\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
+        "        print((a @ a).dtype, any('Disabling autocast' in str(x.message) for x in w))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env(TORCHACC_PATCH_TORCH_AUTOCAST="0"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["torch.float32", "True"]  # torch's own behaviour, untouched

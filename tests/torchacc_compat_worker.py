@@ -1,9 +1,10 @@
 """A training script in the shape of AlibabaPAI/torchacc's tests/standalone/mnist_dp.py, run
 unchanged in its ta.* calls under torchrun by tests/test_torchacc_compat.py: the "lazy" backend,
 ta.lazy_device, ta.AsyncLoader, torch.cuda.amp.autocast, ta.fetch_gradients + all_reduce,
-ta.amp.GradScaler, ta.dist ranks, f"{loss:E}". Prints one JSON line per rank."""
+ta.amp.GradScaler, ta.dist ranks, f"{loss:E}". Each rank writes $COMPAT_OUT/rank<r>.json."""
 
 import json
+import os
 
 import torch
 import torch.distributed as dist
@@ -37,20 +38,21 @@ def main():
         scaler.update()
         ta.sync()
         lines.append(f"loss: {loss:E}")
-    print(
-        json.dumps(
-            {
-                "rank": ta.dist.rank(),
-                "local_rank": ta.dist.local_rank(),
-                "world": ta.dist.world_size(),
-                "backend": str(dist.get_backend()),
-                "low": str(low),
-                "lines": lines,
-                "weight": model[0].weight.detach().cpu().flatten()[:4].tolist(),
-            }
-        ),
-        flush=True,
-    )
+    out = os.path.join(os.environ["COMPAT_OUT"], f"rank{ta.dist.rank()}.json")
+    with open(out, "w") as f:
+        f.write(
+            json.dumps(
+                {
+                    "rank": ta.dist.rank(),
+                    "local_rank": ta.dist.local_rank(),
+                    "world": ta.dist.world_size(),
+                    "backend": str(dist.get_backend()),
+                    "low": str(low),
+                    "lines": lines,
+                    "weight": model[0].weight.detach().cpu().flatten()[:4].tolist(),
+                }
+            )
+        )
     dist.destroy_process_group()
 
 
