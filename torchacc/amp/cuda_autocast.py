@@ -6,15 +6,16 @@ TorchAcc's build (torch_xla on GPU) that casts the device's tensors: PyTorch's C
 kernels treat XLA tensors as eligible. torchacc tensors carry the ``AutocastPrivateUse1`` key
 instead, which CUDA autocast never turns on, so such a region would silently run in float32.
 
-:func:`install` makes every ``torch.amp.autocast`` region for ``'cuda'`` (and ``'xla'``, the
-device type torch_xla scripts name) also set the torchacc device's autocast state -- enabled flag
-and dtype, the region's own (``torch.cuda.amp.autocast()`` gives float16, as on CUDA) -- on entry
-and restore it on exit; the casts themselves are :mod:`torchacc.amp.autocast_policy`'s (CUDA's op
-lists). ``enabled=False`` inside an outer region switches the torchacc casts off too, as on
-TorchAcc. The CUDA region itself is left as torch makes it: on a machine without CUDA torch
-disables it (no CUDA tensor can exist there), and the warning it gives about that is dropped, since
-the region does cast the torchacc tensors. ``TORCHACC_PATCH_TORCH_AUTOCAST=0`` (TorchAcc's switch
-for its own autocast patch) turns this off at ``import torchacc``.
+:func:`install` makes every ``torch.amp.autocast`` region for ``'cuda'`` also set the torchacc
+device's autocast state -- enabled flag and dtype, the region's own (``torch.cuda.amp.autocast()``
+gives float16, as on CUDA) -- on entry and restore it on exit. The casts themselves are
+:mod:`torchacc.amp.autocast_policy`'s (CUDA's op lists). ``enabled=False`` inside an outer region
+switches the torchacc casts off too, as on TorchAcc. The CUDA region itself is left as torch makes
+it: on a machine without CUDA torch disables it (no CUDA tensor can exist there), and the warning
+it gives about that is dropped, since the region does cast the torchacc tensors.
+``TORCHACC_PATCH_TORCH_AUTOCAST=0`` (TorchAcc's switch for its own autocast patch) turns this off
+at ``import torchacc``. (``torch.autocast('xla')`` is torchacc's autocast already, through
+torchacc's ``torch_xla``: torchacc/torch_xla/_xla_device.py.)
 
 Not covered: regions inside a function traced by ``torchacc.compile`` / ``torch.compile`` (dynamo
 records autocast regions itself; use ``torch.autocast('torchacc')`` there), and TorchScript.
@@ -30,7 +31,7 @@ import torch
 
 from torchacc.lazy.device import DEVICE_TYPE
 
-MIRRORED = ("cuda", "xla")
+MIRRORED = ("cuda",)
 _NO_CUDA_WARNING = r"CUDA is not available or torch_xla is imported\. Disabling autocast\."
 _autocast = torch.amp.autocast_mode.autocast
 
@@ -40,7 +41,7 @@ def _wanted():
 
 
 def install():
-    """Mirror ``'cuda'``/``'xla'`` autocast regions onto the torchacc device (idempotent)."""
+    """Mirror ``'cuda'`` autocast regions onto the torchacc device (idempotent)."""
     if getattr(_autocast, "_torchacc_mirrors", False) or not _wanted():
         return
     init, enter, exit_ = _autocast.__init__, _autocast.__enter__, _autocast.__exit__
