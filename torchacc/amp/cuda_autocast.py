@@ -17,8 +17,9 @@ it gives about that is dropped, since the region does cast the torchacc tensors.
 at ``import torchacc``. (``torch.autocast('xla')`` is torchacc's autocast already, through
 torchacc's ``torch_xla``: torchacc/torch_xla/_xla_device.py.)
 
-Not covered: regions inside a function traced by ``torchacc.compile`` / ``torch.compile`` (dynamo
-records autocast regions itself; use ``torch.autocast('torchacc')`` there), and TorchScript.
+Not tested: regions inside a function traced by ``torchacc.compile`` / ``torch.compile`` (dynamo
+records autocast regions itself; ``torch.autocast('torchacc')`` is the sure spelling there), and
+TorchScript.
 """
 
 from __future__ import annotations
