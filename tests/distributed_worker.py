@@ -270,7 +270,7 @@ def scenario_collectives(args):
     errors = {}
     for name, call in (
         ("all_reduce", lambda: C.all_reduce("sum", [a], groups=[[0]])),
-        ("send", lambda: dist.send(a, dst=1 - r)),
+        ("gather", lambda: dist.gather(a, [a.clone(), a.clone()] if r == 0 else None, dst=0)),
         (
             "all_to_all_single",
             lambda: dist.all_to_all_single(a2a_out, a2a_in, [1, 2 * W - 1], [1, 2 * W - 1]),
@@ -279,11 +279,21 @@ def scenario_collectives(args):
     ):
         try:
             call()
-        except NotImplementedError as e:
+        except (NotImplementedError, ValueError) as e:  # groups=[[0]]: not a partition
             assert name in str(e), f"{name}: error does not name the op: {e}"
             errors[name] = str(e)
         else:
             raise AssertionError(f"{name}: expected NotImplementedError")
+    # point to point in a 2-process job: each pair of matching calls is one ppermute
+    sent, got = torch.full((3,), 5.0 + r).to(DEV), torch.zeros(3).to(DEV)
+    if r == 0:
+        dist.send(sent, dst=1)
+        dist.recv(got, src=1)
+    else:
+        dist.recv(got, src=0)
+        dist.send(sent, dst=0)
+    close(got, torch.full((3,), 5.0 + (1 - r)), "dist.send/recv")
+    checks += ["send_recv"]
     for outs, ins in (([a2a_list_out[0]], a2a_list_out), (a2a_list_out, [a2a_list_out[0]])):
         try:
             dist.all_to_all(outs, ins)

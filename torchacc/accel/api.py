@@ -126,7 +126,7 @@ def _average_gradients_over(module, dp):
     from torchacc.sharding import collectives
 
     def reduce(param):
-        collectives.all_reduce("sum", [param.grad], scale=1.0 / dp)
+        collectives.average_gradients([param.grad], 1.0 / dp)
 
     for p in module.parameters():
         if p.requires_grad:

@@ -8,8 +8,9 @@ XLA program that the next ``torchacc.sync()`` runs -- there is no transport of o
 - ``torchacc.runtime.processes``: joins the job from torchrun's environment, rank / world size /
   local rank; ``torchacc.sharding``: the one engine (Note [One mesh]): the job-wide mesh, and
   ``sharding.manual``, the compile of a program holding a collective described below.
-- ``sharding.collectives`` (also ``torchacc.distributed.collectives``): torch_xla-style ``all_reduce(reduce_type, inputs, scale)``, ``all_gather``,
-  ``reduce_scatter``, ``broadcast(tensors, src)``, ``all_to_all``, ``broadcast_parameters`` on
+- ``sharding.collectives`` (also ``torchacc.distributed.collectives``): torch_xla-style
+  ``all_reduce(reduce_type, inputs, scale)``, ``all_gather``, ``reduce_scatter``,
+  ``broadcast(tensors, src)``, ``all_to_all``, ``collective_permute``, ``broadcast_parameters`` on
   torchacc tensors (what ``xm.*`` calls); ``host``: ``barrier(tag)``, ``rendezvous``.
 - ``xla_backend``: the ``"xla"`` ``torch.distributed`` backend built on ``collectives``.
 - this package is also a drop-in for ``torch.distributed`` (``import torchacc.distributed as

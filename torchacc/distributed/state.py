@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from torchacc.engine import execute
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.sharding import collectives as C
 
@@ -30,10 +29,8 @@ def broadcast_tensors(tensors, root_rank, name="broadcast"):
     """Overwrite ``tensors`` in place with rank ``root_rank``'s."""
     lazy = [t for t in tensors if isinstance(t, LazyTensor)]
     eager = [t for t in tensors if not isinstance(t, LazyTensor)]
-    if lazy:
-        execute.sync()
-        C.broadcast(lazy, int(root_rank))
-        execute.sync()
+    if lazy:  # Note [One gradient average, one start] in torchacc/sharding/collectives.py
+        C.start_equal(lazy, int(root_rank))
     if eager:
         _need_group(name)
         works = [dist.broadcast(t, int(root_rank), async_op=True) for t in eager]

@@ -14,8 +14,10 @@ Collectives on torchacc tensors (``dist.all_reduce``, ``all_gather(_into_tensor)
 pending graph (``torchacc.distributed.collectives``) and run by XLA at the next ``torchacc.sync()``;
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
-coordination service. Point-to-point and rooted gather/scatter raise ``NotImplementedError``; so
-does any collective on a group smaller than the whole job.
+coordination service. ``send``/``recv`` in a 2-process job are one ppermute each, run at once
+as torch's blocking calls are (the peers' matching calls run the same op); rooted
+gather/scatter raise ``NotImplementedError``; so does any collective on a group smaller than the
+whole job.
 """
 
 from __future__ import annotations
@@ -244,11 +246,38 @@ class ProcessGroupXla(dist.ProcessGroup):
             "only: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, reduce, barrier)"
         )
 
-    def send(self, *args, **kwargs):
-        self._unsupported("send")
+    # -- point to point: a ppermute every rank of a 2-process job records ----------------------
+    def _p2p(self, op, tensors, peer):
+        self._check(op)
+        world = runtime.world_size()
+        if world != 2:
+            raise NotImplementedError(
+                f"torchacc 'xla' process group: {op} in a job of {world} processes is not "
+                "supported: an in-graph exchange is one ppermute every process records; write it "
+                "as xm.collective_permute(value, pairs) on every rank (in a 2-process job "
+                "dist.send/recv are that)"
+            )
+        (t,) = tensors
+        if not isinstance(t, LazyTensor):
+            raise NotImplementedError(
+                f"torchacc 'xla' process group: {op} of a {t.device} tensor; move it to the "
+                "torchacc device (the exchange is recorded into the step)"
+            )
+        return t, self._global_rank(peer)
 
-    def recv(self, *args, **kwargs):
-        self._unsupported("recv")
+    def send(self, tensors, dst, tag=0):
+        """``collective_permute(t, [(me, dst)])``, run at once; the peer's matching ``recv`` runs
+        the same op (sends and receives pair up in the order each rank issues them)."""
+        t, dst = self._p2p("send", tensors, dst)
+        collectives.send_recv(t, runtime.rank(), dst, "send")
+        return _done(tensors)
+
+    def recv(self, tensors, src, tag=0):
+        t, src = self._p2p("recv", tensors, src)
+        result = collectives.send_recv(t, src, runtime.rank(), "recv")
+        with torch.no_grad():
+            t.copy_(result)
+        return _done(tensors)
 
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv_anysource")

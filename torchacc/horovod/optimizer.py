@@ -176,7 +176,7 @@ class _DistributedOptimizer:
             sent.append(c * pre if pre != 1.0 else c)
             ctxs.append(ctx)
         op = ops._DEVICE_OP[self._hvd_op.name]
-        reduced = C.all_reduce_coalesced(op, sent, post)
+        reduced = C.average_gradients(sent, post, op)  # Note [One gradient average, one start]
         with torch.no_grad():
             for p, g, r, ctx in zip(params, grads, reduced, ctxs, strict=True):
                 r = self._hvd_compression.decompress(r, ctx)

@@ -10,7 +10,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from torchacc.engine import execute
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.sharding import collectives as C
 
@@ -25,9 +24,7 @@ class _LazyDDP(nn.Module):
             tensors = list(module.parameters())
             if broadcast_buffers:
                 tensors += list(module.buffers())
-            execute.sync()  # each rank's pending work on its own first (it may differ)
-            C.broadcast([t.data for t in tensors], 0)
-            execute.sync()
+            C.start_equal([t.data for t in tensors], 0)  # Note [One gradient average, one start]
             for p in module.parameters():
                 if p.requires_grad:
                     p.register_post_accumulate_grad_hook(self._on_grad)
@@ -39,9 +36,7 @@ class _LazyDDP(nn.Module):
 
     def _reduce(self):
         self._queued = False
-        grads = [p.grad for p in self.module.parameters() if p.grad is not None]
-        if grads:
-            C.all_reduce("sum", grads, scale=1.0 / self._world)
+        C.average_gradients([p.grad for p in self.module.parameters()], 1.0 / self._world)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)

@@ -67,21 +67,18 @@ def compiled_for(graph, args, shardings=None):
     donate = tuple(2 + i for i in graph.donate)
     with precision.scope():
         if shardings is not None:  # Note [SPMD mode] in sharding/mesh.py
-            if manual.is_collective_graph(graph):
-                raise RuntimeError(
-                    "torchacc: a step in SPMD mode (xr.use_spmd()) holds a per-process collective "
-                    "(xm.all_reduce, a 'xla' process group call) with several processes; in SPMD "
-                    "mode XLA's partitioner reduces across devices itself: leave the collective "
-                    "out (or run without use_spmd, one device per process)"
-                )
             ins, outs, in_pads, out_pads = shardings
             program = sharding.unpadded(program_of(graph), graph, in_pads, out_pads)
+            collective = manual.is_collective_graph(graph)
+            if collective:  # per-process code: Note [One mesh]
+                program = manual.per_process_region(program, ins, len(outs))
+                n = manual.begin_collective_compile()
             fn = jax.jit(program, donate_argnums=donate, in_shardings=ins, out_shardings=list(outs))
             exe = fn.lower(*args).compile()
-        elif manual.is_collective_graph(
-            graph
-        ):  # collectives: one SPMD program, Note [Multi-process ...]
-            exe = manual.compile_manual(program_of(graph), args, donate)
+            if collective:  # Note [Aligning collective programs]
+                manual._align_after_compile(n, manual.fingerprint(graph))
+        elif manual.is_collective_graph(graph):  # Note [Multi-process programs]
+            exe = manual.compile_manual(program_of(graph), args, donate, graph)
         else:  # Note [Pieces read at offset arguments] in build.py
             offsets = [_offset(o) for o in piece_offsets(graph)] if _OFFSET_ARGS else []
             fn = jax.jit(program_of(graph, offsets=bool(offsets)), donate_argnums=donate)

@@ -11,8 +11,8 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
 - ``api``         (library)  meshes, partition specs, ``mark``: what every front door translates to
 - ``collectives`` (library)  ``xm``-style collectives on torchacc tensors and the recipes built on
                              them (gradient averaging, "start ranks equal")
-- ``regions``     (library)  manual regions of the user's code (``shard_map``,
-                             ``enable_manual_sharding``)
+- ``regions``     (library)  manual regions of the user's code (``xs.shard_map``,
+                             ``custom_kernel._shard_map``)
 
 Front doors (``torch_xla``'s spmd, ``parallel/``, ``horovod/``, ``accel/``, ``nn/``) import these
 modules; they never import each other, nor ``sharding.mesh`` directly (tests/test_architecture.py).
@@ -28,8 +28,8 @@ In JAX, per-process collectives and SPMD sharding are one thing, and torchacc ru
       manual region : jax.shard_map over some axes; collectives (psum, all_gather, psum_scatter,
                       all_to_all, ppermute) over those axes. Per-process code (xm.*, the xla
                       process group, Horovod, DDP) is a manual region over the process axis;
-                      xs.enable_manual_sharding / _shard_map are regions over the axes the user
-                      names.
+                      xs.shard_map / custom_kernel._shard_map are regions over the mesh the
+                      user names.
 
 One program per step, whichever front door recorded it. The collective rules read the axes of the
 region being lowered (``rules.region_axes()``): the process axis when a step holding a collective

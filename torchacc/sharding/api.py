@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.runtime import processes
 from torchacc.sharding import layout as program_sharding
 from torchacc.sharding import mesh as runtime_mesh
 
@@ -25,8 +26,12 @@ _meshes: dict = {}
 
 def use_spmd():
     """Switch SPMD mode on: the torchacc device becomes one virtual device over every device of
-    the job. Call it before the first torchacc tensor is made (as torch_xla asks). Sets
-    ``XLA_USE_SPMD=1`` for child processes, as torch_xla does."""
+    the job. Sets ``XLA_USE_SPMD=1`` for child processes, as torch_xla does.
+
+    Tensors that already exist (a model moved to the device, a step already run) are computed
+    first and then laid out replicated over the engine mesh, so a notebook can try one device
+    and then sharding. In a job of several processes each process joined JAX with its one device,
+    so the switch must come before the first device use there (a RuntimeError says how)."""
     import os
 
     from torchacc.ir import live_storages
@@ -34,14 +39,35 @@ def use_spmd():
     if runtime_mesh.is_spmd():
         os.environ["XLA_USE_SPMD"] = "1"
         return
-    if any(True for _ in live_storages()):
+    live = [st for st in live_storages()]
+    if live and processes.world_size() > 1 and not processes.wants_all_local_devices():
         raise RuntimeError(
-            "use_spmd(): torchacc tensors already exist on the one-device-per-process device; "
-            "call xr.use_spmd() at the start of the script, before any tensor is moved to the "
-            "device (or set XLA_USE_SPMD=1)"
+            "use_spmd(): this process of a multi-process job already uses the device, with one "
+            "device per process (JAX was joined that way and cannot add devices); call "
+            "xr.use_spmd() at the start of the script, before the first tensor is moved to the "
+            "device, or set XLA_USE_SPMD=1 in the job's environment"
         )
+    if live:
+        _move_onto_the_mesh(live)
     runtime_mesh.enable()
+    if live:
+        rep = runtime_mesh.replicated()
+        for st in live:
+            v = st.value
+            if v.node is None and isinstance(v.array, jax.Array):
+                v.buf = jax.device_put(v.array, rep)
+        from torchacc.program import known
+
+        known.spoil("SPMD mode was switched on")
     os.environ["XLA_USE_SPMD"] = "1"
+
+
+def _move_onto_the_mesh(live):
+    """Compute every pending tensor first (its step was recorded for one device)."""
+    from torchacc.engine.execute import sync
+
+    if any(st.value.node is not None for st in live):
+        sync()
 
 
 def is_spmd():

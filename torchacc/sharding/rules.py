@@ -18,6 +18,7 @@ import contextlib
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import torch
 
 from torchacc.lowering.registry import register
@@ -77,38 +78,43 @@ def lowering_region(axes):
 # custom ops: schema + meta kernel
 
 _dist = torch.library.Library("torchacc_dist", "DEF")
-_dist.define("all_reduce(Tensor[] xs, str op, float scale, bool scaled) -> Tensor[]")
-_dist.define("all_gather(Tensor x, int dim, int world) -> Tensor")
+# ``groups``: "" (every member of the region's axes) or sub-groups as "0,1;2,3" (see _groups)
+_dist.define("all_reduce(Tensor[] xs, str op, float scale, bool scaled, str groups='') -> Tensor[]")
+_dist.define("all_gather(Tensor x, int dim, int world, str groups='') -> Tensor")
 _dist.define(
-    "reduce_scatter(Tensor x, str op, float scale, bool scaled, int dim, int world) -> Tensor"
+    "reduce_scatter(Tensor x, str op, float scale, bool scaled, int dim, int world, "
+    "str groups='') -> Tensor"
 )
-_dist.define("broadcast(Tensor[] xs, int src) -> Tensor[]")
-_dist.define("all_to_all(Tensor x, int split_dim, int concat_dim, int world) -> Tensor")
+_dist.define("broadcast(Tensor[] xs, int src, str groups='') -> Tensor[]")
+_dist.define(
+    "all_to_all(Tensor x, int split_dim, int concat_dim, int world, str groups='') -> Tensor"
+)
+_dist.define("collective_permute(Tensor x, str pairs) -> Tensor")
 
 ops = torch.ops.torchacc_dist
 
 
-def _meta_all_reduce(xs, op, scale, scaled):
+def _meta_all_reduce(xs, op, scale, scaled, groups=""):
     return [x.new_empty(x.shape) for x in xs]
 
 
-def _meta_all_gather(x, dim, world):
+def _meta_all_gather(x, dim, world, groups=""):
     shape = list(x.shape)
     shape[dim] *= world
     return x.new_empty(shape)
 
 
-def _meta_reduce_scatter(x, op, scale, scaled, dim, world):
+def _meta_reduce_scatter(x, op, scale, scaled, dim, world, groups=""):
     shape = list(x.shape)
     shape[dim] //= world
     return x.new_empty(shape)
 
 
-def _meta_broadcast(xs, src):
+def _meta_broadcast(xs, src, groups=""):
     return [x.new_empty(x.shape) for x in xs]
 
 
-def _meta_all_to_all(x, split_dim, concat_dim, world):
+def _meta_all_to_all(x, split_dim, concat_dim, world, groups=""):
     shape = list(x.shape)
     shape[split_dim] //= world
     shape[concat_dim] *= world
@@ -121,6 +127,7 @@ for _name, _fn in (
     ("reduce_scatter", _meta_reduce_scatter),
     ("broadcast", _meta_broadcast),
     ("all_to_all", _meta_all_to_all),
+    ("collective_permute", lambda x, pairs: x.new_empty(x.shape)),
 ):
     _dist.impl(_name, _fn, "Meta")
 
@@ -146,6 +153,73 @@ def _scaled(r, scale):
         return r
     wide = jnp.float32 if r.dtype in (jnp.float16, jnp.bfloat16) else r.dtype
     return (r.astype(wide) * scale.astype(wide)).astype(r.dtype)
+
+
+def parse_groups(groups):
+    """``"0,1;2,3"`` -> ``[[0, 1], [2, 3]]`` (``""`` -> None)."""
+    if not groups:
+        return None
+    return [[int(i) for i in g.split(",")] for g in groups.split(";")]
+
+
+def format_groups(groups):
+    return ";".join(",".join(str(int(i)) for i in g) for g in groups)
+
+
+def _group_tables(groups):
+    """For sub-groups of the region's members: per member, its group's members (rows padded with
+    the member itself: equal-sized groups need no padding) and its position in its group."""
+    gs = parse_groups(groups)
+    n = sum(len(g) for g in gs)
+    size = max(len(g) for g in gs)
+    members = np.zeros((n, size), np.int32)
+    mask = np.zeros((n, n), bool)
+    pos = np.zeros((n,), np.int32)
+    for g in gs:
+        for k, i in enumerate(g):
+            members[i, : len(g)] = g
+            members[i, len(g) :] = i
+            mask[i, g] = True
+            pos[i] = k
+    return members, mask, pos
+
+
+def _me():
+    return jax.lax.axis_index(_ax())
+
+
+def _grouped_reduce(x, op, groups):
+    """``op`` over this member's group: every member's value (all_gather over the region's axes),
+    masked to the group, reduced locally. Exact for sum/min/max as a reduction order differs."""
+    _, mask, _ = _group_tables(groups)
+    a, undo = _as_reducible(x)
+    everyone = jax.lax.all_gather(a, _ax())  # (members, *shape)
+    mine = jnp.asarray(mask)[_me()].reshape((-1,) + (1,) * a.ndim)
+    if op in ("sum", "avg"):
+        if x.dtype == jnp.bool_:
+            r = jnp.max(jnp.where(mine, everyone, 0), axis=0)
+        else:
+            r = jnp.sum(jnp.where(mine, everyone, jnp.zeros_like(everyone)), axis=0, dtype=a.dtype)
+        if op == "avg":
+            r = r / jnp.asarray(mine.sum(), r.dtype)
+    elif op in ("max", "or"):
+        low = jnp.iinfo(a.dtype).min if jnp.issubdtype(a.dtype, jnp.integer) else -jnp.inf
+        r = jnp.max(jnp.where(mine, everyone, jnp.asarray(low, a.dtype)), axis=0)
+    elif op in ("min", "and"):
+        high = jnp.iinfo(a.dtype).max if jnp.issubdtype(a.dtype, jnp.integer) else jnp.inf
+        r = jnp.min(jnp.where(mine, everyone, jnp.asarray(high, a.dtype)), axis=0)
+    elif op == "product":
+        r = jnp.prod(jnp.where(mine, everyone, jnp.ones_like(everyone)), axis=0, dtype=a.dtype)
+    else:
+        raise ValueError(f"torchacc.distributed: unknown reduction {op!r}")
+    return undo(r)
+
+
+def _group_members(x, groups):
+    """(group size, *x.shape): the values of this member's group, in group order."""
+    members, _, _ = _group_tables(groups)
+    everyone = jax.lax.all_gather(x, _ax())
+    return jnp.take(everyone, jnp.asarray(members)[_me()], axis=0)
 
 
 def _reduce_all(xs, op):
@@ -181,21 +255,32 @@ def _reduce_all(xs, op):
 
 @register(ops.all_reduce.default)
 @_collective
-def _all_reduce_rule(xs, op, scale, scaled):
-    out = _reduce_all(list(xs), op)
+def _all_reduce_rule(xs, op, scale, scaled, groups=""):
+    if groups:
+        out = [_grouped_reduce(x, op, groups) for x in xs]
+    else:
+        out = _reduce_all(list(xs), op)
     return [_scaled(r, scale) for r in out] if scaled else out
 
 
 @register(ops.all_gather.default)
 @_collective
-def _all_gather_rule(x, dim, world):
+def _all_gather_rule(x, dim, world, groups=""):
+    if groups:
+        g = _group_members(x, groups)  # (world, *shape) -> concatenated along dim
+        return jnp.concatenate(list(g), axis=dim)
     return jax.lax.all_gather(x, _ax(), axis=dim, tiled=True)
 
 
 @register(ops.reduce_scatter.default)
 @_collective
-def _reduce_scatter_rule(x, op, scale, scaled, dim, world):
-    if op in ("sum", "avg") and x.dtype != jnp.bool_:
+def _reduce_scatter_rule(x, op, scale, scaled, dim, world, groups=""):
+    if groups:
+        full = _grouped_reduce(x, op, groups)
+        chunk = x.shape[dim] // world
+        start = jnp.asarray(_group_tables(groups)[2])[_me()] * chunk
+        r = jax.lax.dynamic_slice_in_dim(full, start, chunk, axis=dim)
+    elif op in ("sum", "avg") and x.dtype != jnp.bool_:
         r = jax.lax.psum_scatter(x, _ax(), scatter_dimension=dim, tiled=True)
         if op == "avg":
             r = r / jnp.asarray(world, r.dtype)
@@ -212,8 +297,13 @@ _BITS = {1: jnp.int8, 2: jnp.int16, 4: jnp.int32, 8: jnp.int64}
 
 @register(ops.broadcast.default)
 @_collective
-def _broadcast_rule(xs, src):
-    # sum of (the source's bits, zeros elsewhere) over integer views: exact for every value
+def _broadcast_rule(xs, src, groups=""):
+    # sum of (the source's bits, zeros elsewhere) over integer views: exact for every value;
+    # with sub-groups, ``src`` is the position in each group of the member that sends
+    if groups:
+        members, _, _ = _group_tables(groups)
+        sender = jnp.asarray(members)[_me(), src]
+        return [jnp.take(jax.lax.all_gather(x, _ax()), sender, axis=0) for x in xs]
     me = jax.lax.axis_index(_ax()) == src
     bits, backs = [], []
     for x in xs:
@@ -235,5 +325,76 @@ def _broadcast_rule(xs, src):
 
 @register(ops.all_to_all.default)
 @_collective
-def _all_to_all_rule(x, split_dim, concat_dim, world):
+def _all_to_all_rule(x, split_dim, concat_dim, world, groups=""):
+    if groups:
+        g = _group_members(x, groups)  # member j's whole x; I take its block at my position
+        pos = jnp.asarray(_group_tables(groups)[2])[_me()]
+        chunk = x.shape[split_dim] // world
+        blocks = [
+            jax.lax.dynamic_slice_in_dim(g[j], pos * chunk, chunk, axis=split_dim)
+            for j in range(world)
+        ]
+        return jnp.concatenate(blocks, axis=concat_dim)
     return jax.lax.all_to_all(x, _ax(), split_dim, concat_dim, tiled=True)
+
+
+@register(ops.collective_permute.default)
+@_collective
+def _collective_permute_rule(x, pairs):
+    # torch_xla's collective_permute / send / recv: one ppermute; a member no pair sends to
+    # receives zeros
+    perm = [tuple(p) for p in parse_groups(pairs)]
+    return jax.lax.ppermute(x, _ax(), perm)
+
+
+# --------------------------------------------------------------------------------------------
+# manual regions of the user's code (torchacc/sharding/regions.py)
+
+_lib.define("manual_region(Tensor[] args, str graph, str region) -> Tensor[]")
+manual_region_op = torch.ops.torchacc.manual_region.default
+
+REGIONS: dict = {}  # name -> Region
+
+
+class Region:
+    """A manual region's static part: its ``jax.sharding.Mesh``, the ``PartitionSpec`` of each
+    argument and result, the manual axes and the results' global (shape, dtype)."""
+
+    def __init__(self, mesh, in_specs, out_specs, axes, out_meta):
+        self.mesh, self.axes = mesh, tuple(axes)
+        self.in_specs, self.out_specs = tuple(in_specs), tuple(out_specs)
+        self.out_meta = tuple(out_meta)
+        devices = ",".join(str(d.id) for d in mesh.devices.flat)
+        self.name = (
+            f"{mesh.devices.shape}{mesh.axis_names}[{devices}]{self.axes}"
+            f"{self.in_specs}{self.out_specs}{self.out_meta}"
+        )
+
+
+def add_region(region):
+    return REGIONS.setdefault(region.name, region).name
+
+
+def _manual_region_meta(args, graph, region):
+    return [torch.empty(s, dtype=d, device="meta") for s, d in REGIONS[region].out_meta]
+
+
+_lib.impl("manual_region", _manual_region_meta, "Meta")
+
+
+@register(manual_region_op)
+def _manual_region(args, graph, region):
+    from torchacc.lowering.region import GRAPHS
+
+    r, g = REGIONS[region], GRAPHS[graph]
+
+    def body(*xs):
+        with lowering_region(r.axes):
+            return tuple(g.run(list(xs)))
+
+    manual = frozenset(r.axes)
+    kw = {} if manual == frozenset(r.mesh.axis_names) else {"axis_names": manual}
+    f = jax.shard_map(
+        body, mesh=r.mesh, in_specs=r.in_specs, out_specs=r.out_specs, check_vma=False, **kw
+    )
+    return list(f(*args))

@@ -3,6 +3,8 @@ the ones torchacc does not have."""
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from torchacc import metrics  # noqa: F401
@@ -32,6 +34,15 @@ def _collective(name):
     return fn
 
 
+def _multi():
+    """Whether collectives go to the engine: several processes, or inside a manual region
+    (``xs.shard_map``), where they run over the region's axes."""
+    if xrt_world_size() > 1:
+        return True
+    regions = sys.modules.get("torchacc.sharding.collectives")
+    return regions is not None and regions.in_region() is not None
+
+
 def _check_reduce_type(reduce_type):
     if reduce_type not in _REDUCE_TYPES:
         raise ValueError(f"invalid reduce type {reduce_type!r}: expected one of {_REDUCE_TYPES}")
@@ -49,7 +60,7 @@ def all_reduce(reduce_type, inputs, scale=1.0, groups=None, pin_layout=True):
     torch_xla. Recorded into the step's graph; no host transfer.
     """
     _check_reduce_type(reduce_type)
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("all_reduce")(
             reduce_type, inputs, scale=scale, groups=groups, pin_layout=pin_layout
         )
@@ -81,13 +92,11 @@ def _fetch_gradients(optimizer):
 def reduce_gradients(optimizer, groups=None, pin_layout=True):
     """Average the gradients over the replicas (nothing to do on one)."""
     count = xrt_world_size()
-    if count > 1:
-        all_reduce(
-            REDUCE_SUM,
+    if count > 1:  # the one recipe: Note [One gradient average, one start]
+        _collective("average_gradients")(
             _fetch_gradients(optimizer),
-            scale=1.0 / count,
+            1.0 / count,
             groups=groups,
-            pin_layout=pin_layout,
         )
 
 
@@ -102,7 +111,7 @@ def optimizer_step(optimizer, barrier=False, optimizer_args=None, groups=None, p
 
 def all_gather(value, dim=0, groups=None, output=None, pin_layout=True):
     """Concatenate ``value`` from all replicas along ``dim``."""
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("all_gather")(
             value, dim=dim, groups=groups, output=output, pin_layout=pin_layout
         )
@@ -119,7 +128,7 @@ def reduce_scatter(
 ):
     """Reduce over replicas, scale, and keep this replica's shard along ``scatter_dim``."""
     _check_reduce_type(reduce_type)
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("reduce_scatter")(
             reduce_type,
             input,
@@ -150,7 +159,7 @@ def reduce_scatter(
 
 
 def all_to_all(value, split_dimension, concat_dimension, split_count, groups=None, pin_layout=True):
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("all_to_all")(
             value,
             split_dimension,
@@ -166,7 +175,7 @@ def all_to_all(value, split_dimension, concat_dimension, split_count, groups=Non
 
 def collective_broadcast(tensors, root_ordinal=0, groups=None, pin_layout=True):
     """Make every replica's ``tensors`` equal to those of ``root_ordinal`` (in place)."""
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("collective_broadcast")(
             tensors, root_ordinal=root_ordinal, groups=groups, pin_layout=pin_layout
         )
@@ -175,14 +184,14 @@ def collective_broadcast(tensors, root_ordinal=0, groups=None, pin_layout=True):
 
 def broadcast_master_param(model):
     """Copy rank 0's parameters into every replica (nothing to do on one)."""
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("broadcast_master_param")(model)
     return None
 
 
 def rendezvous(tag, payload=b"", replicas=None):
     """Wait for all replicas to reach ``tag``; returns every replica's ``payload`` (bytes)."""
-    if xrt_world_size() > 1:
+    if _multi():
         return _collective("rendezvous")(tag, payload, replicas=replicas or [])
     return [payload]
 
@@ -297,14 +306,24 @@ def xla_rendezvous(payload=b"", ordinals=None, tag=None):
 
 
 send = not_implemented(
-    "xm.send", "point-to-point send/recv is not implemented: torchacc records collectives only"
+    "xm.send",
+    "a send paired with a recv by channel id is not supported; write the exchange as "
+    "xm.collective_permute(value, [(source, target)]) on every rank (one ppermute)",
 )
 recv = not_implemented(
-    "xm.recv", "point-to-point send/recv is not implemented: torchacc records collectives only"
+    "xm.recv",
+    "a recv paired with a send by channel id is not supported; write the exchange as "
+    "xm.collective_permute(value, [(source, target)]) on every rank (one ppermute)",
 )
-collective_permute = not_implemented(
-    "xm.collective_permute", "collective_permute is not implemented in torchacc's collectives"
-)
+
+
+def collective_permute(value, pairs):
+    """Member ``target`` gets member ``source``'s ``value`` for each ``(source, target)`` pair
+    (one ppermute over the processes, or over a manual region's axes); a member no pair sends to
+    gets zeros."""
+    return _collective("collective_permute")(value, pairs)
+
+
 get_stablehlo = not_implemented(
     "xm.get_stablehlo", "StableHLO export of the pending graph is not implemented"
 )

@@ -20,8 +20,9 @@ from torchacc.sharding import api as engine
 from torchacc.torch_xla._api import differs, not_implemented
 
 _MANUAL = (
-    "manual sharding (shard_map-style regions inside a recorded step) is not supported; "
-    "annotate with mark_sharding and let XLA's partitioner place the collectives"
+    "enable/disable_manual_sharding around ops recorded one by one is not supported; write the "
+    "manual part as a function and run it with xs.shard_map(func, mesh, in_specs, out_specs) "
+    "(torch_xla's custom_kernel._shard_map), a manual region over the mesh's axes"
 )
 
 
@@ -459,6 +460,16 @@ def xla_distribute_tensor(tensor, device_mesh, placements=None):
 
 _mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
 enable_manual_sharding = not_implemented("xs.enable_manual_sharding", _MANUAL)
+
+
+def shard_map(func, mesh, in_specs, out_specs):
+    """``func`` as a manual region over every axis of ``mesh`` (torch_xla's ``xs.shard_map``,
+    the same as ``custom_kernel._shard_map``); ``xm`` collectives inside run over its axes."""
+    from torchacc.sharding import regions
+
+    return regions.shard_map(func, _mesh_or_global(mesh, "xs.shard_map"), in_specs, out_specs)
+
+
 disable_manual_sharding = not_implemented("xs.disable_manual_sharding", _MANUAL)
 apply_backward_optimization_barrier = not_implemented(
     "xs.apply_backward_optimization_barrier",
