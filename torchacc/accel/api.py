@@ -15,7 +15,7 @@ Order of work (everything is checked before anything happens):
 1. ``config.validate_for(model, world_size)`` (``ValueError`` naming the field) and the sizes
    this build cannot run (``NotImplementedError`` naming the field): nothing is started, moved
    or patched before that;
-2. ``memory.gc``: the ``gc_cls`` submodules are checkpointed (torchacc/accel/checkpoint.py);
+2. ``memory.gc``: the ``gc_cls`` submodules are checkpointed (torchacc/accel/gc.py);
 3. the model moves to the device (``'lazy'``: the torchacc device; ``'eager'``: CUDA when there
    is one, else the CPU) and ``model.device`` says where;
 4. ``compute.bf16``/``fp16``: the model's forward runs under autocast of that dtype, parameters
@@ -42,8 +42,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from torchacc.accel.checkpoint import apply_gc
 from torchacc.accel.config import Config
+from torchacc.accel.gc import apply_gc
 from torchacc.accel.loader import AsyncLoader
 from torchacc.lazy.device import DEVICE_TYPE
 
