@@ -153,21 +153,15 @@ def _lazy_sharded(model, sizes):
     from torchacc.distributed import fsdp as zero
     from torchacc.lazy.device import device
     from torchacc.sharding import api as sharding
+    from torchacc.sharding import recipes
 
     sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
     mesh = sharding.jax_mesh(range(dp * fsdp * tp), (dp, fsdp, tp), ("dp", "fsdp", "tp"))
     dev = device()
     model.to(dev)
-    if tp > 1:
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                w = m.weight
-                spec = ("tp", "fsdp" if fsdp > 1 else None)
-                sharding.mark(w, sharding.named_sharding(mesh, spec, tuple(w.shape), "dist.tp"))
-                if m.bias is not None:
-                    b = m.bias
-                    sharding.mark(b, sharding.named_sharding(mesh, ("tp",), tuple(b.shape)))
+    if tp > 1:  # column-parallel Linear layers (the engine's recipe)
+        recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None)
     if fsdp > 1:
         zero.shard_parameters(model, mesh, "fsdp")
 

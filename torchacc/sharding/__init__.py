@@ -13,6 +13,7 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
                              them (gradient averaging, "start ranks equal")
 - ``regions``     (library)  manual regions of the user's code (``xs.shard_map``,
                              ``custom_kernel._shard_map``)
+- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``)
 
 Front doors (``torch_xla``'s spmd, ``parallel/``, ``horovod/``, ``accel/``, ``nn/``) import these
 modules; they never import each other, nor ``sharding.mesh`` directly (tests/test_architecture.py).
