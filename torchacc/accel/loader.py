@@ -37,9 +37,7 @@ from __future__ import annotations
 
 import bisect
 import os
-import queue
 import sys
-import threading
 import time
 import warnings
 
@@ -48,8 +46,7 @@ import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
 from torchacc.lazy.device import DEVICE_TYPE
-
-_END = object()
+from torchacc.lazy.prefetch import END, Prefetcher
 
 
 def uniform_buckets(max_length, num_buckets=8):
@@ -232,40 +229,19 @@ def _host_memory():
 
 
 class _Epoch:
-    """One pass over the host loader, prefetched by a background thread."""
+    """One pass over the host loader, prefetched by the lazy frontend's loop
+    (torchacc/lazy/prefetch.py); taking a batch first syncs the step recorded on the previous."""
 
     def __init__(self, loader, transform, prefetch):
-        from torchacc.runtime.device import jax_device
-
-        jax_device()  # pick (and join a multi-process job for) the device on this thread
-        self._queue = queue.Queue(maxsize=max(1, prefetch))
-        self._done = threading.Event()
-        self._loader = loader
-        self._transform = transform
-        self._first = True
-        self._thread = threading.Thread(
-            target=self._work, name="torchacc-async-loader", daemon=True
+        self._prefetch = Prefetcher(
+            loader,
+            prefetch,
+            upload=upload_tree,
+            wrap=wrap_tree,
+            transform=transform,
+            name="torchacc-async-loader",
         )
-        self._thread.start()
-
-    def _put(self, item):
-        while not self._done.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self):
-        try:
-            for batch in self._loader:
-                if not self._put(("batch", upload_tree(self._transform(batch)))):
-                    return
-        except BaseException as e:  # re-raised in the consuming thread
-            self._put(("error", e))
-            return
-        self._put(("end", None))
+        self._first = True
 
     def __iter__(self):
         return self
@@ -278,20 +254,15 @@ class _Epoch:
             if _debug():
                 _report_new_programs()
         self._first = False
-        if self._done.is_set():
+        batch = self._prefetch.get()
+        if batch is END:
             raise StopIteration
-        kind, payload = self._queue.get()
-        if kind == "batch":
-            return wrap_tree(payload)
-        self._done.set()
-        if kind == "error":
-            raise payload
-        raise StopIteration
+        return batch
 
     def __del__(self):
-        done = getattr(self, "_done", None)
-        if done is not None:
-            done.set()
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:
+            prefetch._done.set()  # an abandoned epoch draws no more batches
 
 
 class AsyncLoader:
