@@ -5,7 +5,9 @@
 With one process the launcher runs the gallery worker in place (RANK/WORLD_SIZE/LOCAL_RANK are
 set here), so after training this wrapper can read what the metrics JSON of the launcher lacks:
 ``torchacc.metrics`` (compiles, cache hits, trace/execute/sync time per mark_step) and, for
-``--torch_compile``, Dynamo's counters (graphs, recompiles). Written even when training fails.
+``--torch_compile``, Dynamo's counters (graphs, recompiles), and the FLOPs of the last launched
+program (``step_flops``: a training step's, from XLA's cost analysis). Written even when training
+fails.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ def _torchacc_metrics() -> dict | None:
         if data:
             out["timings"][name] = data[2]
     out["fallback_ops"] = m.executed_fallback_ops()
+    if hasattr(m, "last_program_flops"):  # Note [Step FLOPs] in torchacc/metrics.py
+        out["step_flops"] = m.last_program_flops()
+        out["executed_flops"] = m.executed_flops()
     return out
 
 

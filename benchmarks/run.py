@@ -46,6 +46,9 @@ from run_stats import (  # benchmarks/run_stats.py: what is read from the runs
 )
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+import _flops  # noqa: E402  (model FLOPs per step: the MFU numerator)
+
 LAUNCHER = os.path.join(ROOT, "launch_single_task.py")
 WORKER = os.path.join(ROOT, "benchmarks", "_worker.py")
 
@@ -93,6 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     p.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "out"))
     p.add_argument("--extra", default="", help="extra launcher flags, one string")
+    p.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak TFLOP/s for the MFU column (default: from the device kind "
+        "in torchacc.hardware; a CPU has none: MFU n/a)",
+    )
     p.add_argument(
         "--tensorboard",
         metavar="DIR",
@@ -254,7 +264,42 @@ def run_one(args, model, mode, repeat, gpu, logdir) -> dict:
         batch_size=result["config"].get("batch_size"),
     )
     row.update(compiler_stats(metrics, steady))
+    row.update(flops_stats(args, flags, row, metrics, gpu))
     return row
+
+
+def peak_flops(args, gpu: str | None) -> float | None:
+    """Dense peak FLOP/s of the device for MFU: ``--peak_tflops``, else torchacc.hardware's
+    entry for the device kind (bf16 with AMP O1, else fp32); None on a CPU or an unknown part."""
+    if args.peak_tflops:
+        return args.peak_tflops * 1e12
+    if not gpu:
+        return None
+    from torchacc import hardware
+
+    acc = hardware.from_device_kind(gpu)
+    if acc is None:
+        return None
+    return acc.peak("bfloat16" if (args.amp_level or "O1") == "O1" else "float32")
+
+
+def flops_stats(args, flags: list[str], row: dict, metrics: dict | None, gpu) -> dict:
+    """Model TFLOP/s (the model's arithmetic, benchmarks/_flops.py: the same for every mode), MFU
+    against the device's peak, and for torchacc the step program's TFLOP/s from XLA's cost
+    analysis (Note [Step FLOPs] in torchacc/metrics.py)."""
+    out: dict = {}
+    step_s = (row.get("step_time_ms") or 0.0) / 1000.0
+    if step_s <= 0:
+        return out
+    model_flops, _how = _flops.from_launcher_flags(flags)
+    if model_flops:
+        out["tflops"] = model_flops / step_s / 1e12
+        peak = peak_flops(args, gpu)
+        out["mfu"] = model_flops / step_s / peak if peak else None
+    xla = ((metrics or {}).get("torchacc") or {}).get("step_flops")
+    if xla:
+        out["xla_tflops"] = xla / step_s / 1e12
+    return out
 
 
 def summarize(rows: list[dict], models, modes, labels: dict) -> list[dict]:
@@ -295,6 +340,9 @@ def summarize(rows: list[dict], models, modes, labels: dict) -> list[dict]:
                     "trace_ms_per_step",
                     "sync_ms_per_step",
                     "compile_time_s",
+                    "tflops",
+                    "mfu",
+                    "xla_tflops",
                 ):
                     vals = [r.get(key) for r in ok if r.get(key) is not None]
                     if vals:
@@ -327,15 +375,16 @@ def markdown(summary: list[dict], meta: dict) -> str:
         "",
         *[f"**WARNING: busy box**: {w}" for w in meta.get("warnings", [])],
         *([""] if meta.get("warnings") else []),
-        "| model | mode | samples/s (median [min–max], spread) | × eager | step ms | first step s "
-        "| peak mem GiB (× eager) | compiles / recompiles | trace ms/step | sync ms/step |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| model | mode | samples/s (median [min–max], spread) | × eager | tokens/s | step ms "
+        "| TFLOP/s (XLA) | MFU | first step s | peak mem GiB (× eager) | compiles / recompiles "
+        "| trace ms/step | sync ms/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         name = s["label"]
         if not s["ok"]:
             err = "; ".join(s["errors"]).replace("|", "\\|")
-            lines.append(f"| {name} | {s['mode']} | **error**: {err} | | | | | | | |")
+            lines.append(f"| {name} | {s['mode']} | **error**: {err} | | | | | | | | | | |")
             continue
         sps = (
             f"{s['samples_per_sec']:.1f} [{s['samples_per_sec_min']:.1f}–"
@@ -347,9 +396,14 @@ def markdown(summary: list[dict], meta: dict) -> str:
         if s.get("mem_vs_eager") is not None:
             mem += f" ({s['mem_vs_eager']:.2f}×)"
         comp = f"{_f(s.get('compiles'), '.0f')} / {_f(s.get('recompiles'), '.0f')}"
+        tflops = _f(s.get("tflops"), ".3g")
+        if s.get("xla_tflops") is not None:
+            tflops += f" ({s['xla_tflops']:.3g})"
+        mfu = "n/a" if s.get("mfu") is None else f"{100 * s['mfu']:.1f}%"
         lines.append(
             f"| {name} | {s['mode']} | {sps} | {_f(s.get('speedup_vs_eager'), '.2f')} "
-            f"| {_f(s['step_time_ms'], '.1f')} | {_f(s['first_step_s'], '.2f')} | {mem} "
+            f"| {_f(s.get('tokens_per_sec'), ',.0f')} | {_f(s['step_time_ms'], '.1f')} "
+            f"| {tflops} | {mfu} | {_f(s['first_step_s'], '.2f')} | {mem} "
             f"| {comp} | {_f(s.get('trace_ms_per_step'), '.1f')} "
             f"| {_f(s.get('sync_ms_per_step'), '.1f')} |"
         )

@@ -35,6 +35,7 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.plan",
             "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
         ],

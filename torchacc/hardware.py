@@ -148,3 +148,20 @@ def mfu(flops_per_second_per_device: float, peak_flops: float | None) -> float |
     if not peak_flops:
         return None
     return flops_per_second_per_device / peak_flops
+
+
+def device_peak(
+    device_kind: str, dtype: str = "bfloat16", peak_tflops: float | None = None
+) -> float | None:
+    """Dense peak FLOP/s for MFU: ``peak_tflops`` (the user's ``--peak_tflops``) when given, else
+    the table's entry for ``device_kind`` at ``dtype``; None for a CPU or an unknown part (MFU
+    shows n/a)."""
+    if peak_tflops:
+        return float(peak_tflops) * TERA
+    acc = from_device_kind(device_kind or "")
+    if acc is None:
+        return None
+    try:
+        return acc.peak(dtype)
+    except ValueError:
+        return None

@@ -380,9 +380,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--tensorboard",
         metavar="DIR",
         default=None,
-        help="rank 0 writes TensorBoard scalars (loss, samples/s, step time, lr, peak memory, "
-        "compiles, loss scale) and the run's flags as hparams to DIR (needs the tensorboard or "
-        "tensorboardX package)",
+        help="rank 0 writes TensorBoard scalars (loss, samples/s, tokens/s, step time, lr, peak "
+        "memory, compiles, loss scale, TFLOP/s per device and MFU) and the run's flags as hparams "
+        "to DIR (needs the tensorboard or tensorboardX package)",
+    )
+    g.add_argument(
+        "--peak_tflops",
+        type=_positive_float,
+        default=None,
+        metavar="TFLOPS",
+        help="the device's dense peak TFLOP/s for the MFU in the log (default: from the device "
+        "kind, e.g. 989.4 for an H100 SXM in bf16; a CPU has none: MFU n/a)",
     )
     g.add_argument(
         "--profile",

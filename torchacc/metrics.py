@@ -9,7 +9,10 @@ eagerly on CPU because it has no lowering: a fallback), ``ReadSync`` (a read of 
 op's cached entry and read through a counter source, torchacc/lazy/op_counters.py).
 Timings (seconds): ``TraceTime`` (host time spent recording a step: from the end of the previous
 sync to the start of this one), ``CompileTime``, ``ExecuteTime`` (launching the program; execution
-itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, ``SyncTime``.
+itself is asynchronous), ``TransferToDeviceTime``, ``TransferFromDeviceTime``, ``SyncTime``,
+``CostAnalysisTime`` (reading a new program's FLOPs, once per compile).
+Step FLOPs: ``executed_flops()``, ``last_program_flops()``, ``program_flops(exe)`` (Note [Step
+FLOPs]).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+import weakref
 from collections import defaultdict
 
 _counters: dict = defaultdict(int)
@@ -97,6 +101,100 @@ def metric_samples(name):
     return list(zip(_stamps.get(name, ()), _timings.get(name, ())))
 
 
+# Note [Step FLOPs]
+# MFU while a job runs needs the FLOPs the device executed, at no cost per step. XLA's cost
+# analysis of a compiled program gives its FLOPs (per device: an SPMD program is the partitioned
+# per-device module). The compile paths (program/cache.py for the lazy frontend, dynamo/lower.py
+# and dynamo/flat.py for the trace-once one) read it once per compile, with
+# ``program_compiled(exe)``, into ``_program_flops`` keyed by the executable's id (the
+# entry leaves with the executable). Every launch then adds its program's FLOPs to a running total
+# with ``program_ran(exe)``: one dict lookup and an add, no device sync, no extra compile. A reader
+# (the launcher's log, ``ta.accelerate``'s, benchmarks/) takes ``executed_flops()`` at two moments
+# and divides the difference by the wall time between them: achieved FLOP/s per device, for the
+# same window its samples/s covers. ``clear_counters`` resets the total, not the programs' FLOPs.
+# FLOPs are XLA's count of the optimized program: rematerialized (gradient checkpointing) work is
+# counted, and a fused op is counted by its arithmetic.
+_program_flops: dict = {}  # id(executable) -> FLOPs of one launch (per device)
+_flops = [0.0, 0.0]  # [FLOPs executed since clear_counters, FLOPs of the last launched program]
+
+
+def program_compiled(exe, flops=None):
+    """Remember the FLOPs per device of one launch of the newly compiled ``exe``: ``flops``, or
+    else its ``cost_analysis()`` (XLA's; read once per compile, timed as ``CostAnalysisTime``).
+    Unknown (no cost analysis on this backend, no ``flops`` entry) leaves it unrecorded."""
+    if flops is None:
+        start = time.perf_counter()
+        flops = _cost_analysis_flops(exe)
+        record_time("CostAnalysisTime", time.perf_counter() - start)
+    if flops is None:
+        return
+    key = id(exe)
+    _program_flops[key] = float(flops)
+    try:
+        weakref.finalize(exe, _program_flops.pop, key, None)
+    except TypeError:  # not weak-referenceable: the entry stays (the program's caches keep it)
+        pass
+
+
+def _cost_analysis_flops(exe):
+    try:
+        costs = exe.cost_analysis()
+    except Exception:  # noqa: BLE001 - a missing number, never a failed compile
+        return None
+    if isinstance(costs, (list, tuple)):  # older JAX: one dict per partition
+        costs = costs[0] if costs else None
+    flops = costs.get("flops") if isinstance(costs, dict) else None
+    return float(flops) if isinstance(flops, (int, float)) and flops > 0 else None
+
+
+def program_ran(exe):
+    """Count one launch of ``exe`` (Note [Step FLOPs]); the hot path: one dict lookup."""
+    f = _program_flops.get(id(exe))
+    if f is not None:
+        _flops[0] += f
+        _flops[1] = f
+
+
+def program_flops(exe):
+    """FLOPs per device of one launch of the compiled ``exe``, or None if unknown."""
+    return _program_flops.get(id(exe))
+
+
+def executed_flops():
+    """FLOPs per device of every program launched since ``clear_counters`` (launched: queued;
+    the device may still be running the last ones)."""
+    return _flops[0]
+
+
+def last_program_flops():
+    """FLOPs per device of the last launched program (a training step's, in a loop), or None."""
+    return _flops[1] or None
+
+
+class FlopsWindow:
+    """Achieved FLOP/s per device between log lines (Note [Step FLOPs]): ``take`` reads
+    ``executed_flops()`` (a float, no sync) and reports the window since the previous ``take``."""
+
+    def __init__(self):
+        self._mark = executed_flops()
+
+    def take(self, steps: int, seconds_per_step: float, peak_flops: float | None = None):
+        """``{"step_flops", "tflops", "mfu"}`` for the ``steps`` steps since the last call, run at
+        ``seconds_per_step`` each (the log line's step time); None when no program with known
+        FLOPs ran (an eager run, a backend without cost analysis)."""
+        now = executed_flops()
+        delta, self._mark = now - self._mark, now
+        if delta <= 0 or steps <= 0 or not seconds_per_step or seconds_per_step <= 0:
+            return None
+        per_step = delta / steps
+        achieved = per_step / seconds_per_step
+        return {
+            "step_flops": per_step,
+            "tflops": achieved / 1e12,
+            "mfu": achieved / peak_flops if peak_flops else None,
+        }
+
+
 def executed_fallback_ops():
     return sorted(name for name in _counters if name.startswith("aten::"))
 
@@ -118,6 +216,7 @@ def clear_counters():
         clear()
     _sync_sites.clear()
     _compiles.clear()
+    _flops[0] = _flops[1] = 0.0
 
 
 def _fmt_seconds(s):

@@ -9,8 +9,12 @@ A synthetic SFT-like dataset: each batch has its own random length (``--min-len`
 ``--max-len``); ``accelerate()`` gets the host loader and pads each batch to its bucket (labels
 with -100, ignored by the loss), so the lazy device compiles one program per bucket instead of one
 per length. Both backends start from the same weights and see the same batches; the table at the
-end has each backend's step time (median after the first ``--warmup`` steps), programs compiled
-and losses. (Peak memory needs one process per backend: benchmarks/accel_memory.py.)
+end has each backend's step time (median after the first ``--warmup`` steps), tokens/s (the
+batches' real tokens, padding left out), for the lazy device the step programs' achieved TFLOP/s
+per device and MFU (XLA's cost analysis, Note [Step FLOPs] in torchacc/metrics.py; MFU n/a on a
+CPU unless ``--peak_tflops``; both over the steps after the warm-up, a new bucket's compile
+included), programs compiled and losses. (Peak memory needs one process per backend:
+benchmarks/accel_memory.py.)
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch.nn.functional as F
 
 import torchacc as ta
 from gallery.llama.model import CONFIGS, build_llama
+from torchacc import hardware
 
 
 class CausalLM(nn.Module):
@@ -62,8 +67,10 @@ def train(backend, base, batches, args):
     before += ta.metrics.counter_value("PersistentCacheHit") or 0
     model, loader = ta.accelerate(copy.deepcopy(base), batches, config)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    losses, times = [], []
+    losses, times, flops = [], [], []
+    tokens = [b["input_ids"].numel() for b in batches]
     start = time.perf_counter()
+    flops_mark = ta.metrics.executed_flops()
     for batch in loader:
         loss = model(**batch)
         loss.backward()
@@ -75,13 +82,22 @@ def train(backend, base, batches, args):
         now = time.perf_counter()
         times.append(now - start)
         start = now
+        executed = ta.metrics.executed_flops()  # a float: no sync (Note [Step FLOPs])
+        flops.append(executed - flops_mark)
+        flops_mark = executed
     losses = [float(t) for t in losses]
+    timed = slice(args.warmup, None) if len(times) > args.warmup else slice(None)
+    seconds = sum(times[timed])
+    achieved = sum(flops[timed]) / seconds if seconds > 0 else 0.0
     programs = (ta.metrics.counter_value("UncachedCompile") or 0) + (
         ta.metrics.counter_value("PersistentCacheHit") or 0
     )
     return {
         "backend": backend,
         "step_ms": round(1000 * statistics.median(times[args.warmup :] or times), 1),
+        "tokens_per_sec": round(sum(tokens[timed]) / seconds) if seconds > 0 else None,
+        "tflops": achieved / 1e12 if achieved else None,
+        "mfu": achieved / args.peak if achieved and args.peak else None,
         "programs": programs - before if backend == "lazy" else 0,
         "first_loss": round(losses[0], 4),
         "final_loss": round(losses[-1], 4),
@@ -104,6 +120,12 @@ def parse(argv=None):
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", action="store_true", help="print one JSON line per backend")
+    p.add_argument(
+        "--peak_tflops",
+        type=float,
+        default=None,
+        help="the device's dense peak TFLOP/s for MFU (default: from the device kind; CPU: n/a)",
+    )
     args = p.parse_args(argv)
     args.buckets = [int(b) for b in args.buckets.split(",")]
     return args
@@ -111,6 +133,9 @@ def parse(argv=None):
 
 def main(argv=None):
     args = parse(argv)
+    args.peak = hardware.device_peak(
+        ta.jax_device().device_kind, "bfloat16" if args.bf16 else "float32", args.peak_tflops
+    )
     torch.manual_seed(args.seed)
     base = CausalLM(build_llama(args.model))
     batches = synthetic_batches(args, CONFIGS[args.model].vocab_size)
@@ -119,12 +144,17 @@ def main(argv=None):
         for r in results:
             print(json.dumps(r))
     else:
-        print("| backend | step ms (median) | programs | first loss | final loss |")
-        print("|---|---|---|---|---|")
+        print(
+            "| backend | step ms (median) | tokens/s | TFLOP/s/device | MFU | programs "
+            "| first loss | final loss |"
+        )
+        print("|---|---|---|---|---|---|---|---|")
         for r in results:
+            tflops = "–" if r["tflops"] is None else f"{r['tflops']:.3g}"
+            mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             print(
-                f"| {r['backend']} | {r['step_ms']} | {r['programs']} | {r['first_loss']} | "
-                f"{r['final_loss']} |"
+                f"| {r['backend']} | {r['step_ms']} | {r['tokens_per_sec']:,} | {tflops} | {mfu} "
+                f"| {r['programs']} | {r['first_loss']} | {r['final_loss']} |"
             )
     return results
 

@@ -107,10 +107,14 @@ def log_metrics(
     mem_source: str | None = None,
     loss_scale: float | None = None,
     logger: logging.Logger | None = None,
+    tokens_per_sec: float | None = None,
+    flops: dict | None = None,
 ) -> str:
     """The progress line. ``samples_per_step`` is samples/s over all processes, ``batch_time`` is
     seconds per step, ``peak_mem`` GiB, ``step`` the number of steps done, ``loss_scale`` the
-    GradScaler's scale (shown when given)."""
+    GradScaler's scale (shown when given), ``tokens_per_sec`` over all processes (language
+    models), ``flops`` the step program's ``{"tflops": per device, "mfu": fraction or None}``
+    (:func:`flops_text`; the compiler path)."""
     logger = logger or _get_logger()
     loss = float(loss.item() if hasattr(loss, "item") else loss)
     where = (
@@ -120,14 +124,27 @@ def log_metrics(
     line = (
         f"epoch {epoch} step {where} | batch {batch_size} | loss {loss:.4f}{scale} | "
         f"{batch_time * 1000.0:.1f} ms/step | {samples_per_step:.1f} samples/s | "
-        f"peak mem {peak_mem:.2f} GiB"
     )
+    if tokens_per_sec is not None:
+        line += f"{tokens_per_sec:,.0f} tokens/s | "
+    if flops is not None:
+        line += flops_text(flops) + " | "
+    line += f"peak mem {peak_mem:.2f} GiB"
     if mem_source:
         line += f" ({mem_source})"
     if total_steps:
         line += f" | ETA {format_duration(eta)}"
     logger.info(line)
     return line
+
+
+def flops_text(flops: dict) -> str:
+    """``123.4 TFLOP/s/device, MFU 41.2%`` (``MFU n/a`` where the device's peak is unknown: a
+    CPU without ``--peak_tflops``)."""
+    mfu = flops.get("mfu")
+    return f"{flops['tflops']:.3g} TFLOP/s/device, MFU " + (
+        "n/a" if mfu is None else f"{100.0 * mfu:.1f}%"
+    )
 
 
 # ----------------------------------------------------------------------------- peak memory hook

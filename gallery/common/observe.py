@@ -5,7 +5,10 @@ profile of chosen steps (``--profile START:STOP``), both written by rank 0 only.
 or else ``tensorboardX``: ``train/loss`` (one point per step), ``train/samples_per_sec`` (all
 processes, as the progress line), ``train/step_time_ms``, ``train/lr``, ``memory/peak_bytes`` (its
 source as the text ``memory/peak_bytes_source``), ``compile/count`` and ``compile/seconds`` (the
-compiler path), ``amp/loss_scale`` (with a GradScaler), and the run's flags as hparams once.
+compiler path), ``amp/loss_scale`` (with a GradScaler), ``train/tokens_per_sec`` (language models),
+``perf/tflops_per_device`` and ``perf/mfu`` (the compiler path: the step program's FLOPs from XLA's
+cost analysis, Note [Step FLOPs] in torchacc/metrics.py; MFU only where the device's peak is
+known), and the run's flags as hparams once.
 
 :class:`StepProfiler` captures the steps START+1..STOP (the log's step numbers): on the compiler
 path with ``jax.profiler`` (``xp.start_trace``, one ``xp.StepTrace("train_step")`` per step), on
@@ -110,8 +113,12 @@ class RunBoard:
         mem_source: str,
         compiles: int | None = None,
         loss_scale: float | None = None,
+        tokens_per_sec: float | None = None,
+        tflops: float | None = None,
+        mfu: float | None = None,
     ) -> None:
-        """The values of the progress line printed after ``step`` steps."""
+        """The values of the progress line printed after ``step`` steps; ``tflops`` is achieved
+        TFLOP/s per device, ``mfu`` a fraction of the device's peak (None: not shown)."""
         add = self.writer.add_scalar
         add("train/samples_per_sec", samples_per_sec, step)
         add("train/step_time_ms", step_time_s * 1000.0, step)
@@ -126,6 +133,12 @@ class RunBoard:
             add("compile/seconds", compile_seconds(), step)
         if loss_scale is not None:
             add("amp/loss_scale", loss_scale, step)
+        if tokens_per_sec is not None:
+            add("train/tokens_per_sec", tokens_per_sec, step)
+        if tflops is not None:
+            add("perf/tflops_per_device", tflops, step)
+        if mfu is not None:
+            add("perf/mfu", mfu, step)
         self.writer.flush()
 
     def close(self) -> None:

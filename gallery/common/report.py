@@ -13,7 +13,7 @@ import torch
 
 from gallery.common.checkpoint import atomic_write_bytes
 from gallery.common.launchlib import torchacc_launch
-from gallery.common.logger import format_duration, log_metrics, peak_memory_gib
+from gallery.common.logger import flops_text, format_duration, log_metrics, peak_memory_gib
 
 LAUNCH_ONLY = torchacc_launch().LAUNCH_ONLY
 
@@ -25,11 +25,39 @@ def write_json(path: str, payload: dict) -> None:
     atomic_write_bytes(path, lambda f: f.write(data))
 
 
-class Report:
-    """The run's measurements: filled by the loop, logged per interval, summarized at the end."""
+def _flops_meter(args, door, dtype_name: str):
+    """(``torchacc.metrics.FlopsWindow``, the device's peak FLOP/s or None) where torchacc compiles
+    the step (Note [Step FLOPs] in torchacc/metrics.py); (None, None) on the eager path, which
+    never imports torchacc. The peak: ``--peak_tflops``, else torchacc.hardware's entry for the
+    JAX device kind at the step's dtype (bf16/fp16 under AMP, fp32 without); None on a CPU."""
+    if not (door.compiler or door.dynamo):
+        return None, None
+    import torchacc
+    from torchacc import hardware, metrics
 
-    def __init__(self, args, task, door, *, samples_per_step, total_steps, board, logger):
+    try:
+        kind = torchacc.jax_device().device_kind
+    except Exception:  # noqa: BLE001 - no device kind: MFU n/a, nothing else changes
+        kind = ""
+    dtype = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype_name, "float32")
+    peak = hardware.device_peak(kind, dtype, getattr(args, "peak_tflops", None))
+    return metrics.FlopsWindow(), peak
+
+
+class Report:
+    """The run's measurements: filled by the loop, logged per interval, summarized at the end.
+
+    Tokens/s (language models), and where torchacc compiles the step its achieved TFLOP/s per
+    device and MFU: the executed programs' FLOPs from XLA's cost analysis (read once per compile;
+    per step a float add, no sync: Note [Step FLOPs] in torchacc/metrics.py) over the same time
+    as samples/s."""
+
+    def __init__(
+        self, args, task, door, *, samples_per_step, total_steps, board, logger, dtype_name="fp32"
+    ):
         self.args, self.task, self.door = args, task, door
+        self.flops, self.peak = _flops_meter(args, door, dtype_name)
+        self.steady_flops = None  # executed FLOPs when the warm-up ended (``warm``)
         self.samples_per_step, self.total_steps = samples_per_step, total_steps
         self.board, self.logger = board, logger
         self.steps: list[int] = []
@@ -37,6 +65,13 @@ class Report:
         self.step_times: list[float] = []
         self.intervals: list[dict] = []
         self.compiled_steps: list[int] = []  # steps that compiled: left out of ETA / step time
+
+    def warm(self) -> None:
+        """The warm-up ended (the loop synced): the summary's steady window starts here."""
+        if self.flops is not None:
+            from torchacc import metrics
+
+            self.steady_flops = metrics.executed_flops()
 
     def interval(self, epoch, step, interval_times, elapsed, *, optimizer, scaler, compiles):
         """The progress line (and TensorBoard scalars) of the interval ending at ``step``;
@@ -51,6 +86,10 @@ class Report:
         sps = self.samples_per_step / batch_time if batch_time > 0 else float("nan")
         mem, mem_src = peak_memory_gib()
         scale = scaler.get_scale() if scaler is not None else None
+        tokens = sps * self.task.tokens_per_sample if self.task.tokens_per_sample else None
+        flops = None
+        if self.flops is not None:  # the interval's steps, at its step time (as samples/s)
+            flops = self.flops.take(len(interval_times), batch_time, self.peak)
         log_metrics(
             epoch,
             step,
@@ -64,6 +103,8 @@ class Report:
             mem_source=mem_src,
             loss_scale=scale,
             logger=self.logger,
+            tokens_per_sec=tokens,
+            flops=flops,
         )
         if self.board:
             self.board.losses(self.steps, self.losses)
@@ -76,6 +117,9 @@ class Report:
                 mem_source=mem_src,
                 compiles=compiles,
                 loss_scale=scale,
+                tokens_per_sec=tokens,
+                tflops=flops["tflops"] if flops else None,
+                mfu=flops["mfu"] if flops else None,
             )
         self.intervals.append(
             {
@@ -86,6 +130,9 @@ class Report:
                 "samples_per_sec": sps,
                 "peak_mem_gib": mem,
                 "eta_s": eta,
+                "tokens_per_sec": tokens,
+                "tflops_per_device": flops["tflops"] if flops else None,
+                "mfu": flops["mfu"] if flops else None,
             }
         )
 
@@ -128,6 +175,7 @@ class Report:
         }
         if task.tokens_per_sample:
             summary["steady_tokens_per_sec"] = steady_sps * task.tokens_per_sample
+        summary.update(self._steady_flops(steady_steps, steady_time))
         if door.compiler:  # why each compile and sync happened (the lazy path's explain report)
             from torchacc import metrics as acc_metrics
 
@@ -159,6 +207,26 @@ class Report:
                 write_json(args.output, result)
         return result
 
+    def _steady_flops(self, steady_steps: int, steady_time: float) -> dict:
+        """The steady window's FLOPs per step and per device, TFLOP/s and MFU (compiled runs)."""
+        if self.flops is None:
+            return {}
+        from torchacc import metrics
+
+        start = self.steady_flops if self.steady_flops is not None else 0.0
+        executed = metrics.executed_flops() - start
+        out = {
+            "step_flops": executed / steady_steps if steady_steps > 0 and executed > 0 else None,
+            "steady_tflops_per_device": None,
+            "mfu": None,
+            "peak_tflops": self.peak / 1e12 if self.peak else None,
+        }
+        if out["step_flops"] and steady_time > 0:
+            achieved = executed / steady_time
+            out["steady_tflops_per_device"] = achieved / 1e12
+            out["mfu"] = achieved / self.peak if self.peak else None
+        return out
+
     def _print(self, summary, run, steady_sps, peak_mem, mem_src, total_time) -> None:
         args, task, door, losses = self.args, self.task, self.door, self.losses
         hardware, dtype_name = run["hardware"], run["dtype_name"]
@@ -169,6 +237,9 @@ class Report:
             f" ({summary['steady_tokens_per_sec']:.0f} tokens/s)" if task.tokens_per_sample else ""
         )
         step_ms = (summary["steady_step_time_s"] or float("nan")) * 1000.0
+        if summary.get("steady_tflops_per_device") is not None:
+            flops = {"tflops": summary["steady_tflops_per_device"], "mfu": summary["mfu"]}
+            tok += ", " + flops_text(flops)
         kind = hardware.split(" ")[0] if door.compiler else door.device.type
         line = (
             f"[summary] {args.model} {door.mode} x{door.world_size} {kind} {args.amp_level}/"

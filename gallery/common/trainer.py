@@ -264,6 +264,7 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         total_steps=total_steps,
         board=board,
         logger=logger,
+        dtype_name=dtype_name,
     )
     model.train()
     loop = _loop(
@@ -419,6 +420,7 @@ def _loop(
             door.after_step(done, model, optimizer)
             if at_warm:
                 t_warm = now
+                report.warm()
             if at_log and rank == 0:
                 report.interval(
                     epoch,

@@ -174,10 +174,12 @@ class _FlatRunner:
                 exe = self.exe = self.fn.lower(key, flats, args, lrs).compile()
             metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
             metrics.counter_inc("DynamoCompile")
+            metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
         if lower.launch_hook is not None:
             lower.launch_hook(lambda k, *a: exe(k, *a), key, [flats, args, lrs])
         user, new_flats, grad_flats = exe(key, flats, args, lrs)
         metrics.counter_inc("DynamoExecute")
+        metrics.program_ran(exe)
         conv = lower.to_torch
         cuda = low.cuda
         if not cuda:

@@ -222,6 +222,7 @@ class JaxPiece:
             exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
         metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
         metrics.counter_inc("DynamoCompile")
+        metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
         self._exes[statics] = exe
         return exe
 
@@ -357,6 +358,7 @@ class Lowered:
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
+        metrics.program_ran(exe)
         if not self.cuda:
             jax.block_until_ready(outs)
             conv = bridge.to_torch_cpu
@@ -415,6 +417,7 @@ class Lowered:
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
+        metrics.program_ran(exe)
         if not self.cuda:
             jax.block_until_ready(outs)
         for n, o in zip(piece.seg.outputs, outs):

@@ -133,6 +133,7 @@ def _launch(exe, args, outputs, plan, n_ops):
     start = time.perf_counter()
     results = exe(*args)
     metrics.record_time("ExecuteTime", time.perf_counter() - start)
+    metrics.program_ran(exe)  # Note [Step FLOPs]
     pack.bind(results, outputs, plan.out_codes, plan.out_packs, plan.out_order)
     packs, loose = plan.packs, plan.loose
     n_packs = len(packs)

@@ -87,6 +87,7 @@ def compiled_for(graph, args, shardings=None):
                 exe = _WithOffsets(exe, offsets)
     metrics.record_time("CompileTime", time.perf_counter() - start)
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
+    metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
     _cache[key] = exe
     release_freed_memory()
     return exe
@@ -135,7 +136,7 @@ def _offset(o):
 class _WithOffsets:
     """An executable whose trailing arguments are its pieces' offsets, passed on every call."""
 
-    __slots__ = ("exe", "offsets")
+    __slots__ = ("exe", "offsets", "__weakref__")
 
     def __init__(self, exe, offsets):
         self.exe, self.offsets = exe, offsets
@@ -143,7 +144,7 @@ class _WithOffsets:
     def __call__(self, *args):
         return self.exe(*args, *self.offsets)
 
-    def __getattr__(self, name):  # memory_analysis(), as_text(), ...
+    def __getattr__(self, name):  # memory_analysis(), cost_analysis(), as_text(), ...
         return getattr(self.exe, name)
 
 

@@ -1,0 +1,280 @@
+"""torchacc.plan: the planned step against a real torchacc SPMD step on 4 CPU devices, the analytic
+state bytes, and bad input (docs/plan.md).
+
+The real step (tests/plan_real_worker.py) and the plans run in fresh processes (the device count
+must be set before JAX starts); each process handles every case at once to keep the file fast.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+import torchacc.plan as tp
+from torchacc.plan import compile as pc
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+# (model, mesh) run for real and planned: the gallery GPT (its CPU config) and LLaMA-tiny
+CASES = [
+    ("llama-tiny", {"dp": 4}),
+    ("llama-tiny", {"fsdp": 4}),
+    ("llama-tiny", {"tp": 4}),
+    ("gpt-tiny", {"fsdp": 4}),
+]
+BATCH, SEQ = 8, 64
+
+
+def _env(**extra):
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.update(extra)
+    return env
+
+
+@pytest.fixture(scope="module")
+def real_proc(tmp_path_factory):
+    """The real steps' process, started first so that it runs beside the planner's (2 cores)."""
+    req = [
+        {"model": m, "batch_size": BATCH, "seq_len": SEQ, "mesh": mesh, "optimizer": "adamw"}
+        for m, mesh in CASES
+    ]
+    log = open(tmp_path_factory.mktemp("plan") / "real.log", "w+")  # (a pipe could fill)
+    proc = subprocess.Popen(
+        [sys.executable, os.path.join(HERE, "plan_real_worker.py"), json.dumps(req)],
+        env=_env(PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu"),
+        stdout=subprocess.PIPE,
+        stderr=log,
+        text=True,
+        cwd=REPO,
+    )
+    proc.log = log
+    yield proc
+    log.close()
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.fixture(scope="module")
+def real_steps(real_proc, all_plans):
+    out, _ = real_proc.communicate(timeout=600)
+    real_proc.log.seek(0)
+    assert real_proc.returncode == 0, real_proc.log.read()[-4000:]
+    steps = [json.loads(x[len("PLAN_REAL ") :]) for x in out.splitlines() if "PLAN_REAL" in x]
+    assert len(steps) == len(CASES), out[-2000:]
+    return steps
+
+
+@pytest.fixture(scope="module")
+def all_plans(real_proc, monkeypatch_module):
+    """The CASES' plans, then gpt-mini (4 layers) compiled whole and extrapolated from 1 and 2
+    layers, in one worker process."""
+    prepared = [
+        tp._prepare(m, BATCH, SEQ, mesh, "fp32", "adamw", False, False, "h100-sxm", 4, 8, None,
+                    None, False)
+        for m, mesh in CASES
+    ]  # fmt: skip
+    mini = ("gpt-mini", BATCH, SEQ, "fsdp=4", "bf16", "adamw", False, False, "h100-sxm", 4, 8)
+    prepared.append(tp._prepare(*mini, None, None, True))
+    monkeypatch_module.setattr(tp, "FULL_DEPTH_MAX", 1)
+    prepared.append(tp._prepare(*mini, None, None, False))
+    return tp._run(prepared, progress=lambda line: None)
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+@pytest.fixture(scope="module")
+def plans(all_plans):
+    return all_plans[: len(CASES)]
+
+
+def _per_axis(colls):
+    t = collections.Counter()
+    for _op, nbytes, axes, *_ in colls:
+        t["+".join(axes)] += nbytes
+    return dict(t)
+
+
+IDS = [f"{m}-{list(x)[0]}" for m, x in CASES]
+# Known gaps between the planned program (FX-traced, lowered by the trace-once frontend's rules)
+# and the lazy frontend's real step, measured on this suite's cases (docs/plan.md, "Accuracy"):
+KNOWN_GAPS = {
+    ("llama-tiny-fsdp", "total"): "plan 11.8% above the real step (XLA temp 2.78 vs 2.42 MB)",
+    ("llama-tiny-tp", "state"): "the real step's XLA shards the replicated norm weights' "
+    "gradients and AdamW moments over tp; the plan keeps them in the weight's layout",
+    ("llama-tiny-tp", "total"): "the real step all-gathers tp weights (8.98 MB of all-gather), "
+    "the plan's program keeps Megatron partial sums: temp 4.81 vs 3.29 MB",
+    ("llama-tiny-tp", "collectives"): "all-gather 1.5 MB planned vs 8.98 MB real (see total)",
+}
+
+
+def _gap(i, aspect):
+    reason = KNOWN_GAPS.get((IDS[i], aspect))
+    if reason:
+        pytest.xfail(reason)  # strict in spirit: the assertion below runs when the gap closes
+
+
+def _check_gap_closed(i, aspect):
+    return (IDS[i], aspect) not in KNOWN_GAPS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_planned_state_bytes_are_exact(i, real_steps, plans):
+    """Parameters, gradients and optimizer state: the analytic count (padding included) and
+    the real run's device bytes."""
+    real, p = real_steps[i], plans[i]
+    spec = tp.resolve(CASES[i][0])
+    model = spec.build(None, False)
+    mesh = {a: CASES[i][1].get(a, 1) for a in pc.AXES}
+    analytic = sum(
+        pc.shard_bytes(tuple(q.shape), pc.param_spec(n, tuple(q.shape), mesh), mesh, 4)
+        for n, q in model.named_parameters()
+    )
+    assert p.parameters == analytic == real["parameters"]
+    assert p.gradients == analytic and p.optimizer_state == 2 * analytic
+    assert p.n_params == sum(q.numel() for q in model.parameters())
+    ok = p.gradients == real["gradients"] and p.optimizer_state == real["optimizer_state"]
+    if _check_gap_closed(i, "state"):
+        assert ok, (p.gradients, real["gradients"], p.optimizer_state, real["optimizer_state"])
+    else:
+        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
+        _gap(i, "state")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_planned_bytes_per_device_within_10_percent(i, real_steps, plans):
+    real, p = real_steps[i], plans[i]
+    total = real["argument"] + real["output"] - real["alias"] + real["temp"]
+    ok = abs(p.total - total) <= 0.10 * total
+    if _check_gap_closed(i, "total"):
+        assert ok, (p.total, total)
+    else:
+        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
+        _gap(i, "total")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("i", range(len(CASES)), ids=IDS)
+def test_planned_collectives_are_the_real_steps(i, real_steps, plans):
+    """Bytes per mesh axis of the real step's compiled program (up to its scalar reductions:
+    a few bytes of loss and count all-reduces)."""
+    real, p = real_steps[i], plans[i]
+    got, want = p.collective_bytes, _per_axis(real["collectives"])
+    ok = got.keys() == want.keys() and all(abs(got[a] - want[a]) <= 256 for a in want)
+    if _check_gap_closed(i, "collectives"):
+        assert ok, (got, want)
+    else:
+        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
+        _gap(i, "collectives")
+
+
+@pytest.mark.slow
+def test_depth_extrapolation_matches_the_whole_model(all_plans):
+    whole, extra = all_plans[-2], all_plans[-1]
+    assert whole.extrapolated_from is None and extra.extrapolated_from == [1, 2]
+    for field in ("parameters", "gradients", "optimizer_state", "n_params"):
+        assert getattr(extra, field) == getattr(whole, field), field
+    assert extra.collective_bytes.keys() == whole.collective_bytes.keys()
+    for axis, nbytes in whole.collective_bytes.items():
+        assert abs(extra.collective_bytes[axis] - nbytes) <= 0.02 * nbytes, axis
+    assert abs(extra.flops - whole.flops) <= 0.02 * whole.flops
+    assert abs(extra.total - whole.total) <= 0.10 * whole.total, (extra.total, whole.total)
+
+
+def test_padding_is_counted():
+    mesh = {"dp": 1, "fsdp": 3, "cp": 1, "tp": 1}
+    spec = pc.param_spec("layers.0.mlp.up_proj.weight", (176, 64), mesh)
+    assert spec == ("fsdp", None)
+    assert pc.shard_bytes((176, 64), spec, mesh, 4) == math.ceil(176 / 3) * 64 * 4
+
+
+def test_help_says_batch_size_is_global():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchacc.plan", "--help"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0
+    text = " ".join(proc.stdout.split())
+    assert "GLOBAL batch of one optimizer step" in text
+
+
+@pytest.mark.parametrize(
+    "kwargs, needle",
+    [
+        (dict(mesh="fsdp=2,tp=2", devices=8), "has 4 devices"),
+        (dict(mesh="tp=3"), "tp=3 does not divide llama-tiny's 4 heads"),
+        (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
+        (dict(model="llama-99b"), "unknown model 'llama-99b'"),
+        (dict(device="h900"), "unknown accelerator 'h900'"),
+        (dict(memory="eighty gigs"), "memory 'eighty gigs' is not a size"),
+        (dict(mesh="fsdp=two"), "fsdp='two'"),
+        (dict(mesh="zz=2"), "mesh axis 'zz'"),
+        (dict(batch_size=6, mesh="fsdp=4"), "batch_size 6"),
+    ],
+)
+def test_bad_input_is_a_clear_error(kwargs, needle):
+    args = dict(model="llama-tiny", batch_size=8, seq_len=64, mesh="fsdp=4")
+    args.update(kwargs)
+    with pytest.raises(tp.PlanError) as e:
+        tp.plan(**args, progress=lambda line: None)
+    assert needle in str(e.value)
+
+
+def test_not_enough_host_memory_says_so(monkeypatch):
+    monkeypatch.setenv("TORCHACC_PLAN_HOST_MEMORY", "200MiB")
+    with pytest.raises(tp.PlanError) as e:
+        tp.plan("llama-7b", 64, 4096, "fsdp=64", progress=lambda line: None)
+    msg = str(e.value)
+    assert "needs about" in msg and "GiB of host memory" in msg and "0.2 GiB available" in msg
+
+
+def test_cli_error_is_one_line():
+    proc = subprocess.run(
+        [sys.executable, "-m", "torchacc.plan", "--model", "llama-tiny", "--batch_size", "8",
+         "--mesh", "fsdp=3", "--devices", "4"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().startswith("torchacc.plan: error: mesh dp=1,fsdp=3")
+    assert "Traceback" not in proc.stderr
+
+
+def test_search_candidates_respect_the_model():
+    spec = tp.resolve("llama-7b")
+    cands = tp.candidate_layouts(spec, 64, 64, 4096, 8)
+    assert {"dp": 1, "fsdp": 64, "tp": 1, "pp": 1, "cp": 1} in cands
+    for m in cands:
+        assert math.prod(m.values()) == 64
+        assert m["tp"] <= 8 and 32 % m["tp"] == 0 and 32 % m["pp"] == 0
+        assert 64 % (m["dp"] * m["fsdp"]) == 0
+
+
+@pytest.mark.slow
+def test_search_ranks_the_layouts_that_fit():
+    plans = tp.search(
+        "gpt-tiny", 4, 8, 64, memory="64MiB", precision="fp32", top=2, progress=lambda line: None
+    )
+    assert len(plans) == 2 and all(p.fits for p in plans)
+    assert plans[0].step_time <= plans[1].step_time
+    assert all(math.prod(p.mesh.values()) == 4 for p in plans)
