@@ -76,3 +76,21 @@ def test_both_loaders_run_the_one_loop():
     for a, b, c in zip(got, got_async, batches):
         assert torch.equal(a, c) and torch.equal(b, c)
     assert len(got) == len(got_async) == 3
+
+
+def test_check_sees_every_batch_then_the_end_and_can_stop_the_pass():
+    seen = []
+
+    def check(batch, done):
+        seen.append(batch)
+        return batch != 2
+
+    p = Prefetcher(range(5), 4, upload=lambda b: b, wrap=lambda b: b, check=check)
+    assert _drain(p) == [0, 1]  # False on batch 2: the pass stops there
+    seen.clear()
+    p = Prefetcher(range(3), 4, upload=lambda b: b, wrap=lambda b: b, check=check)
+    assert _drain(p) == [0, 1] and seen == [0, 1, 2]
+    p = Prefetcher([5, 6], 4, upload=lambda b: b, wrap=lambda b: b, check=check)
+    assert _drain(p) == [5, 6]
+    p.thread.join(timeout=5)
+    assert seen[-3:] == [5, 6, None]  # and once more after the last batch

@@ -21,14 +21,27 @@ END = object()  # what ``Prefetcher.get`` returns once the host loader is exhaus
 
 class Prefetcher:
     """One pass over ``loader`` in a background thread named ``name``: each batch becomes
-    ``upload(transform(batch))`` in the thread and ``wrap(...)`` in :meth:`get`."""
+    ``upload(transform(batch))`` in the thread and ``wrap(...)`` in :meth:`get`. ``check(batch,
+    done)``, when given, runs in the thread before each upload and once with ``None`` after the
+    last batch (e.g. the processes agreeing on each batch); False stops the pass."""
 
-    def __init__(self, loader, prefetch, *, upload, wrap, transform=None, name="torchacc-loader"):
+    def __init__(
+        self,
+        loader,
+        prefetch,
+        *,
+        upload,
+        wrap,
+        transform=None,
+        check=None,
+        name="torchacc-loader",
+    ):
         from torchacc.runtime.device import jax_device
 
         jax_device()  # pick (and join a multi-process job for) the device on this thread
         self._loader = loader
         self._upload, self._wrap, self._transform = upload, wrap, transform
+        self._check = check
         self._queue = queue.Queue(maxsize=max(1, int(prefetch)))
         self._done = threading.Event()
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
@@ -44,15 +57,19 @@ class Prefetcher:
         return False
 
     def _work(self):
-        transform, upload = self._transform, self._upload
+        transform, upload, check = self._transform, self._upload, self._check
         try:
             for batch in self._loader:
                 if transform is not None:
                     batch = transform(batch)
+                if check is not None and not check(batch, self._done):
+                    return
                 if self._done.is_set() or not self._put(("batch", upload(batch))):
                     return
                 if self._done.is_set():  # closed while this batch waited: draw no more
                     return
+            if check is not None:
+                check(None, self._done)
         except BaseException as e:  # re-raised in the consuming thread
             self._put(("error", e))
             return
