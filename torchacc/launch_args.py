@@ -473,19 +473,17 @@ def _check_parallel(parser: argparse.ArgumentParser, args: argparse.Namespace) -
 
 
 def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--fsdp: language models only; with --compiler-opt one process per node (it drives all
-    of the node's devices); --mesh DATA,FSDP only with both."""
+    """--fsdp: language models only; with --compiler-opt the lazy path (each of the
+    --nproc_per_node processes drives its share of the node's devices and loads its share of the
+    data); --mesh DATA,FSDP only with both."""
     if args.mesh is not None and not (args.fsdp and args.compiler_opt):
         parser.error("--mesh is for --fsdp --compiler-opt (the SPMD mesh of the sharded step)")
     if not args.fsdp:
         return
     if not registry.lookup(args.model).shards:
         parser.error(f"--fsdp shards the gpt and llama models, not {args.model}")
-    if args.compiler_opt and (args.compile_mode == "dynamo" or args.nproc_per_node != 1):
-        parser.error(
-            "--fsdp --compiler-opt runs one lazy process per node that drives all its devices "
-            "(--nproc_per_node=1, --compile_mode=lazy)"
-        )
+    if args.compiler_opt and args.compile_mode == "dynamo":
+        parser.error("--fsdp --compiler-opt runs on the lazy path (--compile_mode=lazy)")
     if args.mesh is not None:
         try:
             data, fsdp = (int(x) for x in args.mesh.split(","))

@@ -27,11 +27,16 @@ Order of work (everything is checked before anything happens):
 6. ``dist``: on ``'lazy'``, ``dp`` ranks start from rank 0's parameters and every gradient is
    averaged over them by an all-reduce recorded into the step; on ``'eager'``, ``dp`` is torch
    DDP and ``fsdp`` torch FSDP2 (``fully_shard`` on the ``wrap_layer_cls`` modules, then the
-   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not). On
+   root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not); both
+   > 1 is HSDP, FSDP2 over a 2-D (dp, fsdp) device mesh laid out in ``dist.topology``'s order
+   (replicated over dp, sharded over fsdp: FSDP within a node, data parallel across nodes). On
    ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
    device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
    FSDPv2 and column-parallel Linear layers through XLA's partitioner (``_lazy_sharded``);
-7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing.
+7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
+   path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
+   rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note
+   [Per-process batches] in torchacc/sharding/data.py).
 """
 
 from __future__ import annotations
@@ -76,11 +81,6 @@ def _refuse_unsupported(config, sizes):
     if tp > 1:
         raise NotImplementedError(
             f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
-        )
-    if fsdp > 1 and dp > 1:  # eager (the lazy backend returned above)
-        raise NotImplementedError(
-            f"Config.dist: dp.size = {dp} with fsdp.size = {fsdp} (hybrid sharding) is not "
-            "supported; use one of them"
         )
 
 
@@ -145,7 +145,7 @@ def _spmd_device_count():
     return len(sharding.devices())
 
 
-def _lazy_sharded(model, sizes):
+def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
     device of the job (Note [SPMD mode]). ``tp`` splits each Linear's output features (column
     parallel), ``fsdp`` dim 0 of every other parameter (ZeRO-3); a forward pre-hook splits the
@@ -157,7 +157,13 @@ def _lazy_sharded(model, sizes):
 
     sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
-    mesh = sharding.jax_mesh(range(dp * fsdp * tp), (dp, fsdp, tp), ("dp", "fsdp", "tp"))
+    # the mesh's axes in dist.topology's order, the first outermost (dp x fsdp by default: each
+    # fsdp group is consecutive devices, one node; dp runs across nodes)
+    names = [n for n in topology if n in ("dp", "fsdp", "tp")]
+    names += [n for n in ("dp", "fsdp", "tp") if n not in names]
+    size = {"dp": dp, "fsdp": fsdp, "tp": tp}
+    mesh = sharding.jax_mesh(range(dp * fsdp * tp), [size[n] for n in names], names)
+    batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
     if tp > 1:  # column-parallel Linear layers (the engine's recipe)
@@ -168,26 +174,43 @@ def _lazy_sharded(model, sizes):
     def split_batch(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
             if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
-                zero.shard_batch(t, mesh, ("dp", "fsdp"))
+                zero.shard_batch(t, mesh, batch_axes)
         return None
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
-    return model, dev
+
+    def input_sharding(host):  # the loader's layout: each process's batch is its share
+        spec = zero.batch_spec(host.dim(), batch_axes)
+        return sharding.named_sharding(mesh, spec, tuple(host.shape), "dist batch")
+
+    return model, dev, input_sharding
 
 
-def _lazy(model, sizes, spmd=False):
+def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp")):
     from torchacc.lazy.device import device
     from torchacc.sharding import collectives
 
     if spmd:
-        return _lazy_sharded(model, sizes)
+        return _lazy_sharded(model, sizes, topology)
     dev = device()
     model.to(dev)
     dp = sizes[0]
     if dp > 1:
         collectives.broadcast_parameters(model, 0)
         _average_gradients_over(model, dp)
-    return model, dev
+    return model, dev, None
+
+
+def _hsdp_mesh(device_type, dp, fsdp, topology):
+    """The (dp, fsdp) DeviceMesh of HSDP, ranks laid out in ``topology``'s order (default dp
+    outer: the fsdp groups are consecutive ranks, i.e. one node)."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    ranks = torch.arange(dp * fsdp)
+    order = [n for n in topology if n in ("dp", "fsdp")]
+    if order == ["fsdp", "dp"]:
+        ranks = ranks.reshape(fsdp, dp).t()
+    return DeviceMesh(device_type, ranks.reshape(dp, fsdp), mesh_dim_names=("dp", "fsdp"))
 
 
 def _eager(model, config, sizes):
@@ -207,8 +230,12 @@ def _eager(model, config, sizes):
         from torch.distributed.fsdp import fully_shard
 
         # an explicit mesh: FSDP2's default one would be on torch's current accelerator, which
-        # is the torchacc device once torchacc is imported
-        mesh = init_device_mesh(dev.type, (fsdp,))
+        # is the torchacc device once torchacc is imported. dp x fsdp is HSDP: a 2-D mesh
+        # (replicated over dp, sharded over fsdp), its axes in dist.topology's order
+        if dp > 1:
+            mesh = _hsdp_mesh(dev.type, dp, fsdp, config.dist.topology)
+        else:
+            mesh = init_device_mesh(dev.type, (fsdp,))
         if config.dist.fsdp.sync_module_states:  # rank 0's parameters and buffers everywhere
             for t in (*model.parameters(), *model.buffers()):
                 dist.broadcast(t.data, 0)
@@ -247,7 +274,10 @@ def accelerate(model, dataloader=None, config=None):
         # before DDP/FSDP wrap it: they call the module's own forward
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
-    model, device = _lazy(model, sizes, spmd) if lazy else _eager(model, config, sizes)
+    if lazy:
+        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology)
+    else:
+        (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property
         model.device = device
     if dataloader is None:
@@ -260,5 +290,6 @@ def accelerate(model, dataloader=None, config=None):
         max_length=dl.max_length,
         num_buckets=dl.num_buckets or 8,
         pad_value_dict=dl.pad_value_dict,
+        input_sharding=input_sharding,
     )
     return model, loader

@@ -11,9 +11,11 @@ A background thread iterates the host loader, pads each batch to its bucket and 
 tensors (``jax.device_put`` does not wait for the device), keeping up to ``prefetch`` batches
 ready, as ``MpDeviceLoader`` does. Taking the next batch first runs ``torchacc.sync()``, so a loop
 over the loader needs no ``mark_step``; the loader syncs once more when it is exhausted. Each
-``iter()`` starts a new epoch over the host loader. The loader never shards data: a
-``DistributedSampler`` in the host loader does. On a CPU/CUDA device (``backend='eager'``) the
-batches are bucketed and moved with ``.to(device)`` in the consuming thread, with no sync.
+``iter()`` starts a new epoch over the host loader. The loader never splits data: a
+``DistributedSampler`` in the host loader does; in a multi-process SPMD job each process's
+batches are its share of a global batch (Note [Per-process batches] in sharding/data.py). On a
+CPU/CUDA device (``backend='eager'``) the batches are bucketed and moved with ``.to(device)`` in
+the consuming thread, with no sync.
 
 Note [Bucketing]
 XLA compiles one program per input shape, so variable-length batches would compile once per
@@ -38,7 +40,6 @@ from __future__ import annotations
 import bisect
 import os
 import sys
-import time
 import warnings
 
 import torch
@@ -47,6 +48,8 @@ import torch.nn.functional as F
 from torchacc.accel.config import DEFAULT_PAD_VALUES
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.prefetch import END, Prefetcher
+from torchacc.sharding import data
+from torchacc.sharding.data import _map, upload_tree, wrap_tree  # noqa: F401  (shared uploads)
 
 
 def uniform_buckets(max_length, num_buckets=8):
@@ -130,59 +133,6 @@ class Bucketing:
 # --- moving batches to the torchacc device ------------------------------------------------------
 
 
-class _Uploaded:
-    """A host tensor's copy on the device, not yet wrapped as a tensor (wrapping is main-thread)."""
-
-    __slots__ = ("array", "mirror", "shape", "dtype", "seconds")
-
-    def __init__(self, array, mirror, shape, dtype, seconds):
-        self.array = array
-        self.mirror = mirror
-        self.shape = shape
-        self.dtype = dtype
-        self.seconds = seconds
-
-
-def upload_tree(x):
-    """Start copying every CPU tensor of a (nested) batch to the device; any thread."""
-    from torchacc.engine import transfer
-
-    if isinstance(x, torch.Tensor):
-        if x.device.type != "cpu":
-            return x  # already elsewhere (e.g. on the device): left as is
-        host = x.detach().contiguous()
-        start = time.perf_counter()
-        array, mirror = transfer.device_array(host)
-        seconds = time.perf_counter() - start
-        return _Uploaded(array, mirror, tuple(host.shape), host.dtype, seconds)
-    return _map(upload_tree, x)
-
-
-def wrap_tree(x):
-    """The batch ``upload_tree`` made, as torchacc tensors; the recording thread."""
-    from torchacc import metrics
-    from torchacc.ir import Value, contiguous_desc
-    from torchacc.lazy.record import fresh
-
-    if isinstance(x, _Uploaded):
-        value = Value(contiguous_desc(x.shape, x.dtype), array=x.array)
-        value.host = x.mirror  # Note [Reads of host-known values] (torchacc/lazy/host_eval.py)
-        metrics.record_time("TransferToDeviceTime", x.seconds)
-        metrics.counter_inc("TransferToDevice")
-        return fresh(value)
-    return _map(wrap_tree, x)
-
-
-def _map(fn, x):
-    if isinstance(x, dict):
-        return type(x)((k, fn(v)) for k, v in x.items())
-    if isinstance(x, tuple) and hasattr(x, "_fields"):  # namedtuple
-        return type(x)(*(fn(v) for v in x))
-    if isinstance(x, (list, tuple)):
-        return type(x)(fn(v) for v in x)
-    return x
-
-
 def _to_device(x, device):
     if isinstance(x, torch.Tensor):
         return x.to(device, non_blocking=True)
@@ -232,13 +182,18 @@ class _Epoch:
     """One pass over the host loader, prefetched by the lazy frontend's loop
     (torchacc/lazy/prefetch.py); taking a batch first syncs the step recorded on the previous."""
 
-    def __init__(self, loader, transform, prefetch):
+    def __init__(self, loader, transform, prefetch, input_sharding=None):
+        from torchacc.runtime.device import jax_device
+
+        jax_device()  # pick (and join a multi-process job for) the device on this thread
+        layout = data.batch_layout(input_sharding)
         self._prefetch = Prefetcher(
             loader,
             prefetch,
-            upload=upload_tree,
+            upload=lambda batch: upload_tree(batch, layout),
             wrap=wrap_tree,
             transform=transform,
+            check=data.BatchAgreement().check,  # the processes agree on each batch's shapes
             name="torchacc-async-loader",
         )
         self._first = True
@@ -268,7 +223,10 @@ class _Epoch:
 class AsyncLoader:
     """Wraps a host loader: its batches on ``device``, bucketed when ``buckets`` or ``max_length``
     is given (Note [Bucketing]); ``len()`` is the host loader's. ``prefetch``: batches uploaded
-    ahead of the step."""
+    ahead of the step. In SPMD mode ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them
+    per batch key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) lays the batch out as
+    it is uploaded; with several processes each batch is this process's share of the global
+    batch (Note [Per-process batches] in torchacc/sharding/data.py)."""
 
     def __init__(
         self,
@@ -279,10 +237,12 @@ class AsyncLoader:
         num_buckets=8,
         pad_value_dict=None,
         prefetch=4,
+        input_sharding=None,
     ):
         self._loader = loader
         self.device = torch.device(device)
         self._prefetch = prefetch
+        self._input_sharding = input_sharding
         self.bucketing = None
         if buckets is not None or max_length is not None:
             self.bucketing = Bucketing(buckets, max_length, num_buckets, pad_value_dict)
@@ -296,7 +256,7 @@ class AsyncLoader:
 
     def __iter__(self):
         if self.device.type in (DEVICE_TYPE, "xla"):
-            return _Epoch(self._loader, self._transform, self._prefetch)
+            return _Epoch(self._loader, self._transform, self._prefetch, self._input_sharding)
         return (_to_device(self._transform(b), self.device) for b in self._loader)
 
     def __len__(self):

@@ -52,20 +52,34 @@ def upload(host):
     array, mirror = device_array(host)
     metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferToDevice")
+    metrics.counter_inc("TransferToDeviceBytes", sent_bytes(array))
     value = Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
     value.host = mirror
     return value
 
 
-def device_array(host):
+def sent_bytes(array):
+    """Bytes an upload of ``array`` sent to this process's devices (each addressable shard)."""
+    sharding = getattr(array, "sharding", None)
+    if sharding is None or len(sharding.device_set) == 1:
+        return int(array.nbytes)
+    return mesh.upload_bytes(array.shape, array.dtype.itemsize, sharding)
+
+
+def device_array(host, sharding=None, local=False):
     """A JAX array with a copy of the contiguous CPU tensor ``host`` in its stored dtype (Note
     [Device dtypes]), and the CPU copy a small integer/bool one keeps for reads (Note [Reads of
-    host-known values] in torchacc/lazy/host_eval.py; None otherwise); any thread."""
+    host-known values] in torchacc/lazy/host_eval.py; None otherwise); any thread. SPMD mode:
+    laid out by ``sharding`` (default replicated); ``local``: ``host`` is this process's share of
+    a global batch (Note [Per-process batches] in sharding/data.py), which keeps no CPU copy."""
     dtype = host.dtype
     stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
     data = host if stored is dtype else host.to(stored)
     # copy: on XLA:CPU device_put may alias the numpy buffer, and the host tensor can change later
-    array = put(np.array(_numpy_of(data), copy=True))
+    data = np.array(_numpy_of(data), copy=True)
+    if local:
+        return mesh.put_local(data, sharding), None
+    array = mesh.put(data, sharding) if sharding is not None else put(data)
     mirror = None
     exact = not (dtype.is_floating_point or dtype.is_complex)  # only those are read on the host
     if exact and stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS:

@@ -13,7 +13,7 @@ with ``--xla_force_host_platform_device_count=N``. Note [What the planner compil
    optimizer state in the parameter's layout, the batch over the data axes), parameters and
    optimizer state donated (updated in place, as a real step does), and compiled from
    ``jax.ShapeDtypeStruct`` s only. A dimension a mesh axis does not divide is padded, as the
-   sharding engine pads it (Note [Padded shards] in program/sharding.py).
+   sharding engine pads it (Note [Padded shards] in sharding/layout.py).
 
 The compiled executable's ``memory_analysis()``, ``cost_analysis()`` and HLO text are per device
 (XLA's SPMD partitioner has already split the program).

@@ -174,7 +174,7 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
                 num_processes=world,
                 process_id=rank,
                 # SPMD mode: every local device joins the global mesh (Note [SPMD mode])
-                local_device_ids=None if wants_all_local_devices() else [local_rank],
+                local_device_ids=_local_device_ids(local_rank),
                 coordinator_bind_address=os.environ.get("TORCHACC_COORDINATOR_BIND_ADDRESS")
                 or address,
                 initialization_timeout=env_int("TORCHACC_INIT_TIMEOUT", 300),
@@ -188,6 +188,33 @@ def initialize(coordinator=None, world_size=None, rank=None, local_rank=None):
             ) from e
         _set_state(rank, world, local_rank)
         _install_fast_exit()
+
+
+def _local_device_ids(local_rank):
+    """The devices this process joins the job with: its local rank's one device; in SPMD mode
+    all of the machine's, or with several processes per machine (``LOCAL_WORLD_SIZE`` > 1 under
+    torchrun, each loading its own data: Note [Per-process batches] in sharding/data.py) its local
+    rank's equal block of the machine's GPUs. CPU processes each have their own devices."""
+    if not wants_all_local_devices():
+        return [local_rank]
+    per_node = env_int("LOCAL_WORLD_SIZE", 1)
+    if per_node <= 1:
+        return None
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:  # no torch CUDA build: let JAX take what it finds
+        gpus = 0
+    if gpus == 0:
+        return None
+    if gpus % per_node:
+        raise RuntimeError(
+            f"torchacc.distributed: SPMD mode with {per_node} processes per machine "
+            f"(LOCAL_WORLD_SIZE) over {gpus} GPUs: the GPUs must split evenly among the processes"
+        )
+    k = gpus // per_node
+    return list(range(local_rank * k, (local_rank + 1) * k))
 
 
 def _set_state(rank, world, local_rank):
@@ -264,6 +291,27 @@ def set_replication(device, devices):
 # failure handling
 
 
+def _dead_ranks():
+    """The ranks the coordination service no longer sees (best effort: [] when it cannot say)."""
+    client = _jax_distributed_client()
+    if client is None or _state.world is None:
+        return []
+    found = []
+
+    def ask():  # in a thread: the coordination service may be gone with rank 0
+        try:
+            found.append(set(client.get_live_nodes(list(range(_state.world)))))
+        except Exception:
+            pass
+
+    t = threading.Thread(target=ask, daemon=True)
+    t.start()
+    t.join(3.0)
+    if not found:
+        return []
+    return [r for r in range(_state.world) if r not in found[0] and r != _state.rank]
+
+
 def _install_fast_exit():
     if not env_flag("TORCHACC_FAST_EXIT"):
         return
@@ -281,7 +329,9 @@ def _install_fast_exit():
             text = str(value)
             hint = ""
             if "Gloo" in text or "NCCL" in text or "ollective" in text:
-                hint = " A collective failed: another rank has probably died (see its log)."
+                dead = _dead_ranks()
+                who = f"rank {', '.join(map(str, dead))}" if dead else "another rank"
+                hint = f" A collective failed: {who} has probably died (see its log)."
             print(
                 f"torchacc.distributed: rank {_state.rank} of {_state.world} stopped on an "
                 f"uncaught {tp.__name__}; exiting now so that the other ranks fail fast instead "

@@ -14,6 +14,8 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
 - ``regions``     (library)  manual regions of the user's code (``xs.shard_map``,
                              ``custom_kernel._shard_map``)
 - ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``)
+- ``data``        (library)  every process loads its own data: how the loaders lay a batch out,
+                             the processes' agreement on its shapes (Note [Per-process batches])
 
 Front doors (``torch_xla``'s spmd, ``parallel/``, ``horovod/``, ``accel/``, ``nn/``) import these
 modules; they never import each other, nor ``sharding.mesh`` directly (tests/test_architecture.py).

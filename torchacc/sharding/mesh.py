@@ -122,6 +122,60 @@ def put(host, sharding=None):
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
+def put_local(host, sharding):
+    """The global array whose dimension 0 is every process's ``host`` (this process's share, the
+    same shape on each) laid out by ``sharding`` (Note [Per-process batches] in
+    torchacc/sharding/data.py)."""
+    if host.ndim == 0 or sharding.is_fully_replicated:  # the same data on every process
+        return put(host, sharding)
+    procs = processes.world_size()
+    global_shape = (host.shape[0] * procs, *host.shape[1:])
+    _check_splits(host.shape, global_shape, sharding)
+    return jax.make_array_from_process_local_data(sharding, host, global_shape)
+
+
+def _check_splits(local, global_shape, sharding):
+    """A ``ValueError`` where a process's share cannot be laid out as ``sharding``."""
+    sizes = dict(sharding.mesh.shape)
+    spec = tuple(sharding.spec) + (None,) * (len(local) - len(sharding.spec))
+    for dim, (n, entry) in enumerate(zip(global_shape, spec)):
+        k = 1
+        for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+            k *= sizes[axis]
+        if n % k:
+            raise ValueError(
+                f"torchacc: a per-process batch tensor of local shape {tuple(local)} (global "
+                f"{tuple(global_shape)} over {processes.world_size()} processes) cannot be split "
+                f"as {sharding.spec} over mesh {sizes}: dimension {dim} ({n}) is not a multiple "
+                f"of {k}; make each process's batch size a multiple of its device count"
+            )
+    if spec[0] is None:
+        raise ValueError(
+            f"torchacc: a per-process batch tensor of local shape {tuple(local)} is laid out as "
+            f"{sharding.spec}, which does not split dimension 0 (the batch) over the processes"
+        )
+
+
+def batch_sharding(ndim, jmesh=None, axes=None):
+    """``NamedSharding`` splitting dimension 0 of a rank-``ndim`` batch tensor over ``axes`` of
+    ``jmesh`` (default: every axis of the engine mesh), the rest replicated."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    jmesh = jmesh or engine_mesh()
+    axes = tuple(jmesh.axis_names if axes is None else axes)
+    if ndim == 0:
+        return NamedSharding(jmesh, PartitionSpec())
+    return NamedSharding(jmesh, PartitionSpec(axes if len(axes) > 1 else axes[0]))
+
+
+def upload_bytes(shape, itemsize, sharding):
+    """Bytes an upload of a global array of ``shape`` laid out by ``sharding`` sends to this
+    process's devices."""
+    shard = sharding.shard_shape(tuple(shape))
+    n = len(sharding.addressable_devices)
+    return int(np.prod(shard, dtype=np.int64)) * itemsize * n
+
+
 def gather(array):
     """The whole of a global array as NumPy (all processes call this together when the array
     spans processes)."""

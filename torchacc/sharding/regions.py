@@ -12,6 +12,12 @@ partitions or moves data: XLA lays the arguments out as the specs say and runs t
 
 Tensors ``func`` closes over become replicated arguments (lifted as in Note [Traced regions]).
 No autograd through a region (run it under ``torch.no_grad()`` or on tensors that need none).
+
+``enable_manual_sharding`` / ``disable_manual_sharding`` make the same node from ops recorded one
+by one: the enable records a ``torchacc::manual_enter`` block (local shape), the disable collects
+the nodes recorded since that descend from it and replays them as the region's body
+(``rules.IrRegion``); values read in between that do not descend from a block are replicated
+arguments. The blocks still held by tensors stop being pending (they have no global meaning).
 """
 
 from __future__ import annotations
@@ -179,3 +185,154 @@ def _out_specs(out_specs, n):
 
 def _name(func):
     return getattr(func, "__name__", type(func).__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# enable_manual_sharding / disable_manual_sharding: a region made of ops recorded one by one
+
+
+def enable_manual_sharding(t, partition_spec, mesh):
+    """torch_xla's ``xs.enable_manual_sharding``: ``t``'s per-device block (a tensor of the
+    local shape) that the ops up to ``disable_manual_sharding`` work on, per device. The region is
+    formed when it ends: ``disable_manual_sharding`` turns the ops recorded in between into one
+    ``torchacc::manual_region`` node (``rules.IrRegion``)."""
+    call = "enable_manual_sharding"
+    if type(t) is not LazyTensor:
+        raise ValueError(f"{call}: expects a tensor on the torchacc device, got {t.device}")
+    jmesh = _jax_mesh(mesh)
+    spec, local = _spec(jmesh, partition_spec, tuple(t.shape), call)
+    block = rules.manual_enter_op(t, rules.add_entry(jmesh, spec, local))
+    # collectives called on the blocks run over the mesh's axes until the region ends
+    axes = tuple(jmesh.axis_names)
+    collectives._regions.append(collectives._Region(axes, np.prod([jmesh.shape[a] for a in axes])))
+    _open[0] += 1
+    return block
+
+
+_open = [0]  # regions begun by enable_manual_sharding and not ended yet
+
+
+def disable_manual_sharding(t, partition_spec, full_shape, mesh):
+    """torch_xla's ``xs.disable_manual_sharding``: the global tensor of ``full_shape`` whose
+    per-device blocks (laid out by ``partition_spec``) are ``t``, computed from the blocks
+    ``enable_manual_sharding`` gave. Every other tensor read in between is an argument of the
+    region, replicated. A ``full_shape`` that ``t``'s shape and the spec do not give is a
+    ValueError."""
+    from torchacc.lazy.record import fresh, value_of
+
+    call = "disable_manual_sharding"
+    if type(t) is not LazyTensor:
+        raise ValueError(f"{call}: expects a tensor on the torchacc device, got {t.device}")
+    jmesh = _jax_mesh(mesh)
+    full_shape = tuple(int(n) for n in full_shape)
+    spec, local = _spec(jmesh, partition_spec, full_shape, call)
+    if local != tuple(t.shape):
+        raise ValueError(
+            f"{call}: full_shape {full_shape} split by {tuple(partition_spec)} over mesh "
+            f"{dict(jmesh.shape)} gives blocks of shape {local}, but the tensor's block has shape "
+            f"{tuple(t.shape)}"
+        )
+    out_value = value_of(t)
+    inside = {}  # id(node) -> bool: descends from an enter
+
+    def is_inside(v):
+        n = v.node
+        if n is None:
+            return False
+        k = id(n)
+        if k not in inside:
+            inside[k] = n.op.rule.fn is rules._manual_enter or any(is_inside(u) for u in n.inputs)
+        return inside[k]
+
+    if not is_inside(out_value):
+        raise ValueError(
+            f"{call}: the tensor of shape {tuple(t.shape)} is not computed from a tensor of "
+            "enable_manual_sharding"
+        )
+    nodes, seen = [], set()
+
+    def collect(v):
+        n = v.node
+        if n is None or id(n) in seen or not is_inside(v) or n.op.rule.fn is rules._manual_enter:
+            return
+        seen.add(id(n))
+        for u in n.inputs:
+            collect(u)
+        nodes.append(n)
+
+    collect(out_value)
+    nodes.sort(key=lambda n: n.seq)
+    index = {id(n): k for k, n in enumerate(nodes)}
+    args, refs_of_args, specs = [], {}, []
+
+    def ref(v):
+        n = v.node
+        if n is not None and id(n) in index:
+            return ("node", index[id(n)], v.index)
+        if n is not None and n.op.rule.fn is rules._manual_enter:
+            key = ("enter", id(n))
+            if key not in refs_of_args:
+                entry = rules.ENTRIES[next(a for a in n.op.args if isinstance(a, str))]
+                if entry[0] != jmesh:
+                    raise ValueError(f"{call}: the region's tensors use different meshes")
+                refs_of_args[key] = ("arg", len(args))
+                args.append(n.inputs[0])
+                specs.append(entry[1])
+            return refs_of_args[key]
+        key = ("outside", id(v))
+        if key not in refs_of_args:  # read in the region, computed outside it: replicated
+            refs_of_args[key] = ("arg", len(args))
+            args.append(v)
+            from jax.sharding import PartitionSpec
+
+            specs.append(PartitionSpec())
+        return refs_of_args[key]
+
+    steps = []
+    for n in nodes:
+        if n.op.rule.rng:
+            raise ValueError(f"{call}: random ops inside a manual region are not supported")
+        refs = [ref(u) for u in n.inputs]
+        steps.append((n.op.rule, n.op.args, n.op.kwargs, refs, list(n.scalars), n.op.descs))
+    out_ref = ref(out_value)
+    from torchacc.ir.graph import fill
+
+    region_graph = rules.IrRegion(
+        steps, [("arg", i) for i in range(len(args))], out_ref, ((local, t.dtype),), fill
+    )
+    key = "manual-" + _digest(steps, out_ref, specs, local)
+    traced_regions.ops.GRAPHS.setdefault(key, region_graph)
+    region = rules.add_region(
+        rules.Region(jmesh, specs, [spec], tuple(jmesh.axis_names), [(full_shape, t.dtype)])
+    )
+    tensors = [fresh(v) for v in args]
+    while _open[0]:
+        collectives._regions.pop()
+        _open[0] -= 1
+    result = rules.manual_region_op(tensors, key, region)[0]
+    _retire_blocks(is_inside)
+    return result
+
+
+def _retire_blocks(is_inside):
+    """The region's per-device blocks still held by tensors (the enable's result, intermediate
+    results) have no global meaning: they stop being pending, so a mark_step does not compute
+    them (reading one afterwards is an error naming the region)."""
+    from torchacc.ir import Value, live_storages
+    from torchacc.program import known
+
+    for st in live_storages():
+        v = st.value
+        if v.node is not None and is_inside(v):
+            st.value = Value(v.desc)
+    known.spoil("a manual region ended (disable_manual_sharding)")
+
+
+def _digest(steps, out_ref, specs, local):
+    import hashlib
+
+    h = hashlib.sha256()
+    for rule, args, kwargs, refs, scalars, descs in steps:
+        h.update(repr((rule.name, args, kwargs, refs, scalars, descs)).encode())
+    h.update(repr((out_ref, [tuple(s) for s in specs], local)).encode())
+    return h.hexdigest()[:32]

@@ -398,3 +398,65 @@ def _manual_region(args, graph, region):
         body, mesh=r.mesh, in_specs=r.in_specs, out_specs=r.out_specs, check_vma=False, **kw
     )
     return list(f(*args))
+
+
+# enable_manual_sharding: a tensor's block, a node that only a later disable_manual_sharding turns
+# into a region (sharding/regions.py); computed on its own it is an error
+_lib.define("manual_enter(Tensor x, str entry) -> Tensor")
+manual_enter_op = torch.ops.torchacc.manual_enter.default
+ENTRIES: dict = {}  # name -> (mesh, PartitionSpec, local shape)
+
+
+def add_entry(mesh, spec, local):
+    devices = ",".join(str(d.id) for d in mesh.devices.flat)
+    name = f"{mesh.devices.shape}{mesh.axis_names}[{devices}]{tuple(spec)}{tuple(local)}"
+    ENTRIES.setdefault(name, (mesh, spec, tuple(local)))
+    return name
+
+
+_lib.impl(
+    "manual_enter",
+    lambda x, entry: torch.empty(ENTRIES[entry][2], dtype=x.dtype, device="meta"),
+    "Meta",
+)
+
+
+@register(manual_enter_op)
+def _manual_enter(x, entry):
+    raise ValueError(
+        "torchacc: a tensor made by xs.enable_manual_sharding (a per-device block) is computed "
+        "outside a manual region: end the region with xs.disable_manual_sharding before "
+        "mark_step, and read only its result"
+    )
+
+
+class IrRegion:
+    """A manual region made of recorded nodes (between enable_ and disable_manual_sharding): it
+    replays them with their rules on the blocks, like a step's program (program/build.py)."""
+
+    def __init__(self, nodes, inputs, out, out_meta, fill):
+        self.fill = fill  # ir.graph.fill (passed in: the ir stage is above this one)
+        self.nodes = nodes  # [(rule, args, kwargs, input refs, scalars, descs)]
+        self.inputs = inputs  # refs of the region's arguments, in order
+        self.out = out  # ref of the result
+        self.out_meta = out_meta
+
+    def run(self, arrays):
+        fill = self.fill
+        env = dict(zip(self.inputs, arrays))
+        for k, (rule, args, kwargs, refs, scalars, descs) in enumerate(self.nodes):
+            ins = [env[r] for r in refs]
+            extra = {}
+            if rule.out_meta:
+                from torchacc.lowering.dtypes import jdtype
+
+                extra["out"] = [None if d is None else (d[0], jdtype(d[2])) for d in descs]
+            result = rule.fn(*fill(args, ins, scalars), **fill(kwargs, ins, scalars), **extra)
+            results = list(result) if isinstance(result, (list, tuple)) else [result]
+            from torchacc.lowering.dtypes import jdtype
+
+            for i, (r, d) in enumerate(zip(results, descs)):
+                if r is not None and d is not None:
+                    r = jnp.asarray(r)
+                    env[("node", k, i)] = r if r.dtype == jdtype(d[2]) else r.astype(jdtype(d[2]))
+        return [env[self.out]]

@@ -63,15 +63,31 @@ class FSDPv2(Compiler):
         return wrapped
 
     def to_device(self, inputs, target, channels_last: bool = False):
-        """The batch split over the mesh's data and fsdp axes."""
-        import torchacc.torch_xla.distributed.spmd as xs
+        """The batch split over the mesh's data and fsdp axes. Each process's batch is its share
+        of the global batch (its sampler's): the processes' shares make one global array, each
+        process uploading only its own (Note [Per-process batches] in torchacc/sharding/data.py);
+        the bytes are logged once."""
+        from torchacc import metrics
+        from torchacc.sharding import data
 
-        inputs, target = super().to_device(inputs, target)
         mesh = self.mesh
-        for t in (*_as_tuple(inputs), target):
-            if t.dim() and t.shape[0] % mesh.size() == 0:
-                xs.mark_sharding(t, mesh, (("data", "fsdp"),) + (None,) * (t.dim() - 1))
-        return inputs, target
+
+        def layout(t):
+            spec = (("data", "fsdp"),) + (None,) * (t.dim() - 1)
+            return mesh.named_sharding(spec, tuple(t.shape)) if t.dim() else None
+
+        tensors = (*_as_tuple(inputs), target)
+        before = metrics.counter_value("TransferToDeviceBytes") or 0
+        *placed, target = data.global_batch(tensors, layout)
+        if not getattr(self, "_logged_upload", False) and self.rank == 0:
+            self._logged_upload = True
+            sent = (metrics.counter_value("TransferToDeviceBytes") or 0) - before
+            share = sum(t.numel() * t.element_size() for t in tensors)
+            self.logger.info(
+                f"fsdp: this process uploads {sent:,} bytes per step, its share of the global "
+                f"batch ({share:,} of {share * self.world_size:,} bytes: 1/{self.world_size})"
+            )
+        return (tuple(placed) if isinstance(inputs, tuple) else placed[0]), target
 
     def after_step(self, done: int, model, optimizer) -> None:
         if done == 2 and self.rank == 0:  # the optimizer state exists now

@@ -14,21 +14,27 @@ torch_xla, taking the next batch first runs ``mark_step()`` (every ``batches_per
 batches), so a training loop over the loader needs no explicit sync; the loader also syncs when it
 is exhausted. Batches may be tensors or (nested) lists / tuples / dicts of them; other values pass
 through unchanged.
+
+In SPMD mode ``input_sharding`` lays each batch out as it is uploaded (every device gets only its
+shard). In a job of several processes every batch is this process's share of the global batch
+(a ``DistributedSampler`` per rank), whatever ``ShardingSpec.minibatch`` says: the global array's
+dimension 0 is every process's batch in process order (Note [Per-process batches] in
+torchacc/sharding/data.py); without ``input_sharding`` it is split over every mesh axis.
 """
 
 from __future__ import annotations
 
 import torch
 
-# the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
-# torchacc.AsyncLoader
-from torchacc.accel.loader import upload_tree as _upload_tree
-from torchacc.accel.loader import wrap_tree as _wrap_tree
 from torchacc.lazy.device import DEVICE_TYPE
 
-# the prefetch loop (background thread, bounded queue), shared with torchacc.AsyncLoader
+# the prefetch loop (background thread, bounded queue), shared with torchacc.AsyncLoader, and the
+# upload (any thread, laid out per process) and wrapping as torchacc tensors (the recording thread)
 from torchacc.lazy.prefetch import END as _END
 from torchacc.lazy.prefetch import Prefetcher
+from torchacc.sharding.data import BatchAgreement, batch_layout
+from torchacc.sharding.data import upload_tree as _upload_tree
+from torchacc.sharding.data import wrap_tree as _wrap_tree
 
 
 class PerDeviceLoader:
@@ -84,6 +90,8 @@ class ParallelLoader:
         host_to_device_transfer_threads=1,
         input_sharding=None,
     ):
+        import torchacc
+
         self._input_sharding = input_sharding
         devices = [torch.device(d) for d in devices]
         if len(devices) != 1 or devices[0].type not in (DEVICE_TYPE, "xla"):
@@ -96,11 +104,14 @@ class ParallelLoader:
         self._devices = devices
         self._batchdim = batchdim
         self._batches_per_execution = batches_per_execution
+        torchacc.jax_device()  # pick (and join a multi-process job for) the device on this thread
+        layout = batch_layout(input_sharding)
         self._prefetch = Prefetcher(
             loader,
             device_prefetch_size,
-            upload=_upload_tree,
+            upload=lambda batch: _upload_tree(batch, layout),
             wrap=_wrap_tree,
+            check=BatchAgreement().check,  # the processes agree on each batch's shapes
             name="torchacc-loader",
         )
         self._thread = self._prefetch.thread

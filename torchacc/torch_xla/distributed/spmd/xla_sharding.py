@@ -20,9 +20,8 @@ from torchacc.sharding import api as engine
 from torchacc.torch_xla._api import differs, not_implemented
 
 _MANUAL = (
-    "enable/disable_manual_sharding around ops recorded one by one is not supported; write the "
-    "manual part as a function and run it with xs.shard_map(func, mesh, in_specs, out_specs) "
-    "(torch_xla's custom_kernel._shard_map), a manual region over the mesh's axes"
+    "_mark_manual_sharding is not supported; use enable_manual_sharding / "
+    "disable_manual_sharding or xs.shard_map(func, mesh, in_specs, out_specs)"
 )
 
 
@@ -459,7 +458,28 @@ def xla_distribute_tensor(tensor, device_mesh, placements=None):
 
 
 _mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
-enable_manual_sharding = not_implemented("xs.enable_manual_sharding", _MANUAL)
+
+
+def enable_manual_sharding(t, partition_spec, *, mesh=None):
+    """``t``'s per-device block (an XLAShardedTensor of the block's shape): ops on it run per
+    device up to ``disable_manual_sharding``, a manual region over ``mesh``'s axes."""
+    from torchacc.sharding import regions
+
+    mesh = _mesh_or_global(mesh, "xs.enable_manual_sharding")
+    block = regions.enable_manual_sharding(unwrap_sharded_tensor(t), partition_spec, mesh)
+    return wrap_as_sharded_tensor(block)
+
+
+def disable_manual_sharding(t, partition_spec, full_shape, *, mesh=None):
+    """The global tensor of ``full_shape`` made of the per-device blocks ``t`` (laid out by
+    ``partition_spec``): the end of the manual region ``enable_manual_sharding`` began."""
+    from torchacc.sharding import regions
+
+    mesh = _mesh_or_global(mesh, "xs.disable_manual_sharding")
+    full = regions.disable_manual_sharding(
+        unwrap_sharded_tensor(t), partition_spec, full_shape, mesh
+    )
+    return wrap_as_sharded_tensor(full)
 
 
 def shard_map(func, mesh, in_specs, out_specs):
@@ -470,7 +490,6 @@ def shard_map(func, mesh, in_specs, out_specs):
     return regions.shard_map(func, _mesh_or_global(mesh, "xs.shard_map"), in_specs, out_specs)
 
 
-disable_manual_sharding = not_implemented("xs.disable_manual_sharding", _MANUAL)
 apply_backward_optimization_barrier = not_implemented(
     "xs.apply_backward_optimization_barrier",
     "needs optimization barriers in the recorded backward, which torchacc does not record",
