@@ -31,6 +31,19 @@ length. Bucketing (TorchAcc's rule) pads each batch to one of a few lengths:
   (later batches of that length or shorter than it reuse it);
 - a tensor key missing from ``pad_value_dict`` is a ``ValueError`` naming it.
 
+Note [Loader state]
+``AsyncLoader.state_dict()`` is the position after the last batch the *consumer* took (never the
+prefetched ones): the pass number, the batches taken in it, the buckets (grown ones included, so
+a resumed run pads the same way) and the host loader's own state as it was right after it
+produced that batch -- its ``state_dict()`` if it has one (a torchdata ``StatefulDataLoader``, the
+gallery's loaders), or the ``state_dict()`` of a ``DataLoader``'s sampler when it loads in the
+main process (``num_workers=0``: the sampler has then given out exactly the batches produced;
+``torchacc.distributed.data_state.StatefulDistributedSampler``). ``load_state_dict`` restores
+that host state, so the next pass starts at the next batch, on this or another data-parallel size
+(Note [Data positions] in torchacc/distributed/data_state.py). A host loader with no state is
+fast-forwarded instead: the next pass skips the batches already taken (same order needed: a
+seeded sampler). A state of another loader or dataset is a ``DataStateError`` and changes nothing.
+
 ``TORCHACC_DEBUG=1`` prints each batch's original and bucket length, and each new step program's
 memory (temp, argument, output bytes from its ``memory_analysis()``).
 """
@@ -38,6 +51,8 @@ memory (temp, argument, output bytes from its ``memory_analysis()``).
 from __future__ import annotations
 
 import bisect
+import copy
+import itertools
 import os
 import sys
 import warnings
@@ -46,6 +61,12 @@ import torch
 import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
+from torchacc.distributed.data_state import (
+    STATE_VERSION,
+    DataStateError,
+    check_state,
+    load_with_source,
+)
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.prefetch import END, Prefetcher
 from torchacc.sharding import data
@@ -80,6 +101,12 @@ class Bucketing:
             raise ValueError(f"bucketing: buckets hold a duplicate length: {buckets}")
         self.buckets = sorted(buckets)
         self.pad_value_dict = dict(DEFAULT_PAD_VALUES if pad_value_dict is None else pad_value_dict)
+
+    def state_dict(self):
+        return {"buckets": list(self.buckets)}
+
+    def load_state_dict(self, state):
+        self.buckets = sorted(state["buckets"])
 
     def bucket_of(self, length):
         """The smallest bucket >= ``length`` (a new one, with a warning, past the largest)."""
@@ -182,21 +209,27 @@ class _Epoch:
     """One pass over the host loader, prefetched by the lazy frontend's loop
     (torchacc/lazy/prefetch.py); taking a batch first syncs the step recorded on the previous."""
 
-    def __init__(self, loader, transform, prefetch, input_sharding=None):
+    def __init__(self, loader, transform, prefetch, owner, input_sharding=None):
         from torchacc.runtime.device import jax_device
 
         jax_device()  # pick (and join a multi-process job for) the device on this thread
         layout = data.batch_layout(input_sharding)
+        agreement = data.BatchAgreement()
+        self._owner = owner
+        # the host loader's batches come with its state after each (Note [Loader state]): the
+        # loop carries (batch, state) pairs, the batch transformed, checked and uploaded
         self._prefetch = Prefetcher(
-            loader,
+            owner._host_batches(),
             prefetch,
-            upload=lambda batch: upload_tree(batch, layout),
-            wrap=wrap_tree,
-            transform=transform,
-            check=data.BatchAgreement().check,  # the processes agree on each batch's shapes
+            upload=lambda item: (upload_tree(item[0], layout), item[1]),
+            wrap=lambda item: item,  # wrapped in __next__, after the state is taken
+            transform=lambda item: (transform(item[0]), item[1]),
+            # the processes agree on each batch's shapes
+            check=lambda item, done: agreement.check(None if item is None else item[0], done),
             name="torchacc-async-loader",
         )
         self._first = True
+        self._ended = False
 
     def __iter__(self):
         return self
@@ -209,15 +242,34 @@ class _Epoch:
             if _debug():
                 _report_new_programs()
         self._first = False
-        batch = self._prefetch.get()
-        if batch is END:
+        item = self._prefetch.get()
+        if item is END:
+            if self._prefetch.finished and not self._ended:
+                self._ended = True
+                self._owner._ended()  # the host loader's pass is complete
             raise StopIteration
-        return batch
+        batch, state = item
+        self._owner._took(state)
+        return wrap_tree(batch)
 
     def __del__(self):
         prefetch = getattr(self, "_prefetch", None)
         if prefetch is not None:
             prefetch._done.set()  # an abandoned epoch draws no more batches
+
+
+def _host_sampler(loader):
+    """The sampler whose state is a ``DataLoader``'s position (Note [Loader state]), or None."""
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers:
+        return None
+    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+    return sampler if hasattr(sampler, "state_dict") else None
+
+
+def _stateful(obj):
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
 
 
 class AsyncLoader:
@@ -226,7 +278,8 @@ class AsyncLoader:
     ahead of the step. In SPMD mode ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them
     per batch key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) lays the batch out as
     it is uploaded; with several processes each batch is this process's share of the global
-    batch (Note [Per-process batches] in torchacc/sharding/data.py)."""
+    batch (Note [Per-process batches] in torchacc/sharding/data.py). ``state_dict()`` /
+    ``load_state_dict()``: the position in the data (Note [Loader state])."""
 
     def __init__(
         self,
@@ -246,6 +299,90 @@ class AsyncLoader:
         self.bucketing = None
         if buckets is not None or max_length is not None:
             self.bucketing = Bucketing(buckets, max_length, num_buckets, pad_value_dict)
+        self._pass = 0  # the pass the consumer is in (or the next one, when _ready)
+        self._taken = 0  # batches the consumer took in that pass
+        self._ready = True  # the next iter() starts pass _pass after _taken batches
+        self._host = self._host_state()  # the host loader's state after the last batch taken
+        self._skip = 0  # batches the next pass skips (a loaded state of a stateless loader)
+
+    # -- state (Note [Loader state]) -----------------------------------------------------------
+
+    def _state_source(self):
+        if _stateful(self._loader):
+            return self._loader
+        return _host_sampler(self._loader)
+
+    def _host_state(self):
+        source = self._state_source()
+        return None if source is None else source.state_dict()
+
+    def _host_batches(self):
+        """(batch, host state right after it) over one pass of the host loader."""
+        skip, self._skip = self._skip, 0
+        batches = iter(self._loader)
+        if skip:
+            batches = itertools.islice(batches, skip, None)
+        for batch in batches:
+            yield batch, self._host_state()
+
+    def _took(self, host_state):
+        self._taken += 1
+        self._host = host_state
+
+    def _ended(self):
+        self._host = self._host_state()
+        self._pass, self._taken, self._ready = self._pass + 1, 0, True
+
+    def _length(self):
+        try:
+            return len(self._loader)
+        except TypeError:
+            return None
+
+    def state_dict(self):
+        """The position after the last batch taken (Note [Loader state])."""
+        return {
+            "kind": "AsyncLoader",
+            "version": STATE_VERSION,
+            "pass": self._pass,
+            "batches": self._taken,
+            "length": self._length(),
+            "buckets": None if self.bucketing is None else list(self.bucketing.buckets),
+            "host": copy.deepcopy(self._host),
+        }
+
+    def load_state_dict(self, state, source=None):
+        """Continue after ``state``'s last batch: the next ``iter()`` yields the batch that
+        followed it. Nothing changes if the state is another loader's or dataset's."""
+        check_state(state, "AsyncLoader", {}, source)
+        where = f"{source}: " if source else ""
+        host, target = state.get("host"), self._state_source()
+        if host is None and state.get("length") != self._length():
+            raise DataStateError(
+                f"{where}AsyncLoader state is for another dataset: it was saved on a host loader "
+                f"of {state.get('length')} batches, this one has {self._length()}; nothing was "
+                "changed"
+            )
+        if host is not None and target is None:
+            raise DataStateError(
+                f"{where}AsyncLoader state holds a host loader state ({host.get('kind', '?')}) "
+                f"but this loader's host ({type(self._loader).__name__}) has none to load it "
+                "into; nothing was changed"
+            )
+        if (state.get("buckets") is None) != (self.bucketing is None):
+            raise DataStateError(
+                f"{where}AsyncLoader state was saved with buckets {state.get('buckets')}, this "
+                f"loader's are {self.buckets}; nothing was changed"
+            )
+        if host is not None:
+            load_with_source(target, host, source)
+            self._skip = 0
+        else:
+            self._skip = state["batches"]
+        if self.bucketing is not None:
+            self.bucketing.load_state_dict({"buckets": state["buckets"]})
+        self._pass, self._taken, self._host = state["pass"], state["batches"], host
+        self._ready = True
 
     @property
     def buckets(self):
@@ -255,9 +392,19 @@ class AsyncLoader:
         return batch if self.bucketing is None else self.bucketing(batch)
 
     def __iter__(self):
+        if not self._ready:  # a new pass after an unfinished one
+            self._pass, self._taken = self._pass + 1, 0
+        self._ready = False
         if self.device.type in (DEVICE_TYPE, "xla"):
-            return _Epoch(self._loader, self._transform, self._prefetch, self._input_sharding)
-        return (_to_device(self._transform(b), self.device) for b in self._loader)
+            return _Epoch(self._loader, self._transform, self._prefetch, self, self._input_sharding)
+        return self._eager()
+
+    def _eager(self):
+        for batch, state in self._host_batches():
+            out = _to_device(self._transform(batch), self.device)
+            self._took(state)
+            yield out
+        self._ended()
 
     def __len__(self):
         return len(self._loader)

@@ -44,6 +44,7 @@ class Prefetcher:
         self._check = check
         self._queue = queue.Queue(maxsize=max(1, int(prefetch)))
         self._done = threading.Event()
+        self.finished = False  # the host loader's pass ended (not an error, not a close)
         self.thread = threading.Thread(target=self._work, name=name, daemon=True)
         self.thread.start()
 
@@ -88,6 +89,7 @@ class Prefetcher:
                     return END
         if kind == "end":
             self._done.set()
+            self.finished = True
             return END
         if kind == "error":
             self._done.set()
