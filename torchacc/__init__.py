@@ -29,7 +29,7 @@ from torchacc.accel.config import Config
 from torchacc.accel.loader import AsyncLoader
 from torchacc.accel.api import accelerate, mark_dynamic
 from torchacc.accel import ops
-from torchacc.accel.scan_hf import scan_hf_layers
+from torchacc.lazy.scan_hf import scan_hf_layers
 from torchacc import amp, dist, utils  # TorchAcc's ta.amp, ta.dist, ta.utils namespaces
 from torchacc.amp import syncfree
 from torchacc.core import fetch_gradients, is_lazy_device, is_lazy_tensor, lazy_device

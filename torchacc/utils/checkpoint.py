@@ -1,13 +1,14 @@
 """``torchacc.utils.checkpoint.gradient_checkpoint(model, gc_cls)``: TorchAcc's call for gradient
 checkpointing by layer class name, over ``Config.memory.gc``'s own (``apply_gc``,
-torchacc/accel/checkpoint.py: the torchacc device's barrier scheme, Note [Checkpointing that saves
+torchacc/accel/gc.py, with the lazy frontend's ``checkpoint``: Note [Checkpointing that saves
 memory])."""
 
 from __future__ import annotations
 
 import torch
 
-from torchacc.accel.checkpoint import apply_gc, checkpoint
+from torchacc.accel.gc import apply_gc
+from torchacc.lazy.checkpoint import checkpoint
 
 __all__ = ["checkpoint", "gradient_checkpoint"]
 
