@@ -42,8 +42,8 @@ def _qkv(seed, shape=(2, 16, 4, 8), kv_heads=None):
     return [torch.randn(*s, generator=g, requires_grad=True) for s in (shape, kv_shape, kv_shape)]
 
 
-def _check(op, cp, causal, seed=0, kv_heads=None, softmax_scale=None):
-    group = cp_ops.initialize_context_parallel(cp)
+def _check(op, cp, causal, seed=0, kv_heads=None, softmax_scale=None, intra=None):
+    group = cp_ops.initialize_context_parallel(cp, intra)
     assert cp_ops.get_context_parallel_group() is group and group.size == cp
     q, k, v = _qkv(seed, kv_heads=kv_heads)
     want = eager_attention(q, k, v, causal, softmax_scale)
@@ -65,6 +65,14 @@ def test_attention_and_grads_match_eager(op, cp, causal):
     _check(op, cp, causal)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_2d_ulysses_inside_ring_across_matches_eager(causal):
+    """cp = 4 as 2 intra (Ulysses) x 2 inter (ring), one region."""
+    _check(cp_ops.context_parallel_2d, 4, causal, seed=5, intra=2)
+    assert cp_ops.get_intra_cp_process_group().size == 2
+    assert cp_ops.get_inter_cp_process_group().size == 2
+
+
 def test_gqa_and_softmax_scale():
     _check(cp_ops.ring_attention, 2, True, seed=3, kv_heads=2, softmax_scale=0.3)
     _check(cp_ops.ulysses, 2, False, seed=4, kv_heads=2, softmax_scale=0.3)
@@ -82,7 +90,11 @@ def test_regions_use_jax_collectives_over_cp():
     q, k, v = (t.detach().to(DEV) for t in _qkv(0))
     cp_ops.ulysses(q, k, v, causal=True)
     cp_ops.ring_attention(q, k, v, causal=True)
-    fns = {key[0]: f for key, f in cp_ops._fns.items() if key[1] == id(group.mesh)}
+    fns = {
+        ("ring" if key[4] else "ulysses"): f
+        for key, f in cp_ops._fns.items()
+        if key[0] == "attention" and key[1] == id(group.mesh)
+    }
     ulysses_hlo = _compiled_hlo(fns["ulysses"])
     ring_hlo = _compiled_hlo(fns["ring"])
     assert "all-to-all" in ulysses_hlo
@@ -99,6 +111,7 @@ def test_split_and_gather_helpers():
     z = cp_ops.gather_forward_split_backward(y * 2.0, dim=1)
     (z * z).sum().backward()
     ((x * 2.0) ** 2).sum().backward()
+    torchacc.sync()
     torch.testing.assert_close(z.cpu(), (x * 2.0).detach(), atol=0, rtol=0)
     torch.testing.assert_close(xd.grad.cpu(), x.grad, atol=1e-6, rtol=1e-6)
     with pytest.raises(ValueError, match=r"dimension 2 of size 3 .*not divisible by cp=4"):

@@ -2,8 +2,9 @@
 split/gather helpers) as manual regions over the ``cp`` axis of the one mesh.
 
 SPMD style: the tensors are global (``[batch, seq, heads, head_dim]``); each op is one
-``jax.shard_map`` over the mesh ``initialize_context_parallel`` makes (axes ``dp`` x ``cp``),
-the sequence dimension split on ``cp`` and the batch on ``dp``, with JAX's collectives inside
+``jax.shard_map`` over the mesh ``initialize_context_parallel`` makes (axes ``dp`` x ``inter``
+x ``intra``; the context-parallel group is ``inter x intra``), the sequence dimension split
+over the group's axes and the batch on ``dp``, with JAX's collectives inside
 (Note [Context parallel]). Each op is one node of the step forward and one backward (the
 backward is JAX's VJP of the same region, recomputing the forward). Nothing of torchacc's own
 moves data: ``all_to_all`` / ``ppermute`` are JAX's, the layouts around the region XLA's.
@@ -19,6 +20,9 @@ Note [Context parallel]
     work; the reorder into and out of that layout is an XLA gather around the region. Masks are
     computed from the tokens' global positions, which travel with the K/V block. Needs seq
     divisible by cp (2 * cp when causal).
+    2-D: Ulysses inside each ``intra`` group, then the ring across them (``inter``), in one
+    region; the positions are all-gathered over ``intra`` in the all-to-all's order, so the
+    ring's masks stay right.
 """
 
 from __future__ import annotations
@@ -43,69 +47,93 @@ __all__ = [
     "ring_attention",
     "split_forward_gather_backward",
     "gather_forward_split_backward",
+    "context_parallel_2d",
+    "get_inter_cp_process_group",
+    "get_intra_cp_process_group",
 ]
 
 _NEG = -1e30  # a masked score: finite, so a block with every key masked gives no NaN
 
 
 class ContextParallelGroup:
-    """The ``cp`` axis of a ``dp x cp`` mesh over every device of the job (what
-    ``get_context_parallel_group()`` returns and ``process_group=`` takes)."""
+    """Mesh axes of the ``dp x inter x intra`` mesh of :func:`initialize_context_parallel`: the
+    whole context-parallel group (``inter`` and ``intra``), or one of them. What
+    ``get_context_parallel_group()`` & co. return and ``process_group=`` takes."""
 
-    axis = "cp"
+    def __init__(self, mesh, axes):
+        self.mesh, self.axes = mesh, tuple(axes)
+        self.size = int(np.prod([mesh.shape[a] for a in self.axes]))
 
-    def __init__(self, mesh, intra_size=None):
-        self.mesh = mesh
-        self.size = int(mesh.shape["cp"])
-        self.intra_size = intra_size
+    @property
+    def spec(self):
+        """The partition-spec entry splitting a dimension over the group."""
+        return self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __repr__(self):
-        return f"ContextParallelGroup(cp={self.size}, mesh={dict(self.mesh.shape)})"
+        return (
+            f"ContextParallelGroup({'x'.join(self.axes)}={self.size}, mesh={dict(self.mesh.shape)})"
+        )
 
 
-_group: list = [None]
+_groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup
 
 
 def initialize_context_parallel(cp_size, intra_size=None):
-    """Lay the job's devices out as a ``dp x cp`` mesh (``cp = cp_size`` consecutive devices per
-    ring) and switch SPMD mode on. ``intra_size`` (TorchAcc's 2-D split) is recorded; the 2-D
-    op is not built yet. Returns the group."""
+    """Lay the job's devices out as a ``dp x inter x intra`` mesh (``inter * intra = cp_size``;
+    ``intra`` defaults to ``cp_size``; consecutive devices form one ``intra`` group, as
+    TorchAcc's ranks do) and switch SPMD mode on. Returns the context-parallel group."""
     cp_size = int(cp_size)
     n = api.device_count()
     if cp_size < 1 or n % cp_size:
         raise ValueError(
             f"initialize_context_parallel: cp_size={cp_size} must divide the job's {n} devices"
         )
-    if intra_size is not None and (int(intra_size) < 1 or cp_size % int(intra_size)):
+    intra = cp_size if intra_size is None else int(intra_size)
+    if intra < 1 or cp_size % intra:
         raise ValueError(
             f"initialize_context_parallel: intra_size={intra_size} must divide cp_size={cp_size}"
         )
     if not api.is_spmd():
         api.use_spmd()
-    mesh = api.jax_mesh(range(n), (n // cp_size, cp_size), ("dp", "cp"))
+    shape = (n // cp_size, cp_size // intra, intra)
+    mesh = api.jax_mesh(range(n), shape, ("dp", "inter", "intra"))
     api.adopt_mesh(mesh)  # the step's results are laid out on it (dp x cp shardings)
-    _group[0] = ContextParallelGroup(mesh, intra_size)
-    return _group[0]
+    _groups.update(
+        cp=ContextParallelGroup(mesh, ("inter", "intra")),
+        inter=ContextParallelGroup(mesh, ("inter",)),
+        intra=ContextParallelGroup(mesh, ("intra",)),
+    )
+    return _groups["cp"]
+
+
+def _initialized(name, call):
+    if name not in _groups:
+        raise RuntimeError(f"{call}: call initialize_context_parallel(cp_size) first")
+    return _groups[name]
 
 
 def get_context_parallel_group():
-    """The group of :func:`initialize_context_parallel` (a RuntimeError before it)."""
-    if _group[0] is None:
-        raise RuntimeError(
-            "get_context_parallel_group: call initialize_context_parallel(cp_size) first"
-        )
-    return _group[0]
+    """The whole context-parallel group (``inter x intra``)."""
+    return _initialized("cp", "get_context_parallel_group")
 
 
-def _resolve(process_group, call):
+def get_inter_cp_process_group():
+    """The ring part of 2-D context parallel (across ``intra`` groups)."""
+    return _initialized("inter", "get_inter_cp_process_group")
+
+
+def get_intra_cp_process_group():
+    """The Ulysses part of 2-D context parallel (consecutive devices)."""
+    return _initialized("intra", "get_intra_cp_process_group")
+
+
+def _resolve(process_group, call, default="cp"):
     if process_group is None:
-        if _group[0] is None:
-            raise RuntimeError(f"{call}: call initialize_context_parallel(cp_size) first")
-        return _group[0]
+        return _initialized(default, call)
     if isinstance(process_group, ContextParallelGroup):
         return process_group
     raise ValueError(
-        f"{call}: process_group must be the group of get_context_parallel_group() (or None), "
+        f"{call}: process_group must be a group of get_context_parallel_group() & co. (or None), "
         f"got {process_group!r}; torch process groups (one sequence chunk per process) are not "
         "supported yet"
     )
@@ -190,15 +218,84 @@ def _scores(q, k, scale):
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def _local_attention(q, k, v, scale, causal):
-    s = _scores(q, k, scale)
-    if causal:
-        sq, sk = q.shape[1], k.shape[1]
-        mask = jnp.arange(sq)[:, None] + (sk - sq) >= jnp.arange(sk)[None, :]
-        s = jnp.where(mask, s, _NEG)
-    p = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bhqk,bkhd->bqhd", p, _expand_kv(v, q.shape[2]).astype(jnp.float32))
-    return out.astype(q.dtype)
+def _body(a2a, ring, n_ring, scale, causal):
+    """One device's attention: all-to-all over the ``a2a`` axes (Ulysses), then ``n_ring`` K/V
+    blocks passed around the ``ring`` axes merged by online softmax. Masks come from the
+    tokens' global positions (``qpos``, ``kpos``), which travel with the blocks."""
+    perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
+
+    def body(q, k, v, qpos, kpos):
+        if a2a:  # [b, s/n, h, d] -> [b, s, h/n, d]; the positions gathered in the same order
+            q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))
+            qpos, kpos = (jax.lax.all_gather(p, a2a, tiled=True) for p in (qpos, kpos))
+        b, sq, h, d = q.shape
+        m = jnp.full((b, h, sq), _NEG, jnp.float32)
+        den = jnp.zeros((b, h, sq), jnp.float32)
+        acc = jnp.zeros((b, h, sq, d), jnp.float32)
+        for step in range(n_ring):
+            s = _scores(q, k, scale)
+            mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
+            if causal:
+                s = jnp.where(mask, s, _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            if causal:  # a row with every key of this block masked adds nothing
+                p = jnp.where(mask, p, 0.0)
+            alpha = jnp.exp(m - m_new)
+            den = den * alpha + p.sum(-1)
+            vv = _expand_kv(v, h).astype(jnp.float32)
+            acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
+            m = m_new
+            if step + 1 < n_ring:
+                k, v, kpos = (jax.lax.ppermute(x, ring, perm) for x in (k, v, kpos))
+        out = jnp.transpose(acc / den[..., None], (0, 2, 1, 3)).astype(q.dtype)
+        if a2a:  # back: [b, s, h/n, d] -> [b, s/n, h, d]
+            out = jax.lax.all_to_all(out, a2a, 1, 2, tiled=True)
+        return out
+
+    return body
+
+
+def _zigzag_order(n):
+    """Chunk order of the zig-zag layout: device i holds chunks i and 2 * n - 1 - i."""
+    return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
+
+
+def _make_attention(mesh, bax, a2a, ring, scale, causal):
+    """The JAX function (q, k, v) -> out: one shard_map over ``a2a + ring``, sequences split on
+    those axes (ring major); the zig-zag reorder around it when a causal ring runs."""
+    sizes = dict(mesh.shape)
+    n_ring = int(np.prod([sizes[a] for a in ring]))
+    n = n_ring * int(np.prod([sizes[a] for a in a2a]))
+    seq_axes = tuple(a for a in mesh.axis_names if a in ring + a2a)
+    seq = seq_axes[0] if len(seq_axes) == 1 else seq_axes
+    spec, pos_spec = P(bax, seq, None, None), P(seq)
+    body = _body(a2a, ring, n_ring, scale, causal)
+    zigzag = causal and n_ring > 1
+
+    def fwd(q, k, v):
+        qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
+        kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
+        if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
+            order = np.array(_zigzag_order(n))
+
+            def zig(x, ix):
+                c = x.shape[1] // (2 * n)
+                x = x.reshape(x.shape[0], 2 * n, c, *x.shape[2:])[:, ix]
+                return x.reshape(x.shape[0], 2 * n * c, *x.shape[3:])
+
+            q, k, v = zig(q, order), zig(k, order), zig(v, order)
+            qpos = kpos = zig(qpos[None], order)[0]
+        out = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, pos_spec, pos_spec),
+            out_specs=spec,
+            check_vma=False,
+        )(q, k, v, qpos, kpos)
+        return zig(out, np.argsort(order)) if zigzag else out
+
+    return fwd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,13 +323,38 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens):
         raise NotImplementedError(f"{call}: q_lens / k_lens (varlen) are not supported yet")
 
 
-def _batch_axis(group, b):
-    dp = int(group.mesh.shape["dp"])
-    return "dp" if dp > 1 and b % dp == 0 else None
-
-
-# ---------------------------------------------------------------------------------------------
-# Ulysses
+def _attention(call, q, k, v, a2a_group, ring_group, softmax_scale, causal):
+    """Checks, then the region: Ulysses over ``a2a_group``, the ring over ``ring_group``."""
+    a2a = a2a_group.axes if a2a_group is not None and a2a_group.size > 1 else ()
+    ring = ring_group.axes if ring_group is not None and ring_group.size > 1 else ()
+    mesh = (a2a_group or ring_group).mesh
+    n_a2a = a2a_group.size if a2a else 1
+    n_ring = ring_group.size if ring else 1
+    cp = n_a2a * n_ring
+    if a2a and (q.shape[2] % n_a2a or k.shape[2] % n_a2a):
+        raise ValueError(
+            f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
+            f"{'the intra group size' if ring else 'cp'}={n_a2a}"
+        )
+    zigzag = causal and n_ring > 1
+    chunks = 2 * cp if zigzag else cp
+    if q.shape[1] % chunks or k.shape[1] % chunks:
+        raise ValueError(
+            f"{call}: q's sequence length {q.shape[1]} and k/v's {k.shape[1]} must be divisible "
+            f"by {'2 * cp' if zigzag else 'cp'}={chunks} (cp={cp}"
+            + (", zig-zag split for causal balance)" if zigzag else ")")
+        )
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"{call}: causal attention needs q and k/v of one sequence length, got {q.shape[1]} "
+            f"and {k.shape[1]}"
+        )
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    dp = int(mesh.shape["dp"])
+    bax = "dp" if dp > 1 and q.shape[0] % dp == 0 else None
+    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal))
+    fwd = _cached(key, lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal)))
+    return _with_vjp(fwd, (q, k, v), call)
 
 
 def ulysses(
@@ -246,53 +368,12 @@ def ulysses(
     causal=False,
     process_group=None,
 ):
-    """Attention of ``q, k, v`` ([batch, seq, heads, head_dim]) with the sequence split on the
-    ``cp`` axis, by all-to-all over heads (Note [Context parallel]). Returns q's shape."""
-    call = "ulysses"
-    group = _resolve(process_group, call)
-    _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)
-    cp = group.size
-    if q.shape[2] % cp or k.shape[2] % cp:
-        raise ValueError(
-            f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
-            f"cp={cp}"
-        )
-    if q.shape[1] % cp or k.shape[1] % cp:
-        raise ValueError(
-            f"{call}: q's sequence length {q.shape[1]} and k/v's {k.shape[1]} must be divisible "
-            f"by cp={cp}"
-        )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    bax = _batch_axis(group, q.shape[0])
-
-    def make():
-        spec = P(bax, "cp", None, None)
-
-        def body(q, k, v):
-            def gather_seq(x):  # [b, s/cp, h, d] -> [b, s, h/cp, d]
-                return jax.lax.all_to_all(x, "cp", 2, 1, tiled=True)
-
-            out = _local_attention(gather_seq(q), gather_seq(k), gather_seq(v), scale, causal)
-            return jax.lax.all_to_all(out, "cp", 1, 2, tiled=True)
-
-        def fwd(q, k, v):
-            return jax.shard_map(
-                body, mesh=group.mesh, in_specs=(spec,) * 3, out_specs=spec, check_vma=False
-            )(q, k, v)
-
-        return fwd
-
-    fwd = _cached(("ulysses", id(group.mesh), bax, scale, bool(causal)), make)
-    return _with_vjp(fwd, (q, k, v), "ulysses")
-
-
-# ---------------------------------------------------------------------------------------------
-# ring attention
-
-
-def _zigzag_order(cp):
-    """Chunk order of the zig-zag layout: device i holds chunks i and 2 * cp - 1 - i."""
-    return [c for i in range(cp) for c in (i, 2 * cp - 1 - i)]
+    """Attention of ``q, k, v`` ([batch, seq, heads, head_dim]) with the sequence split over the
+    group (default: the whole context-parallel group), by all-to-all over heads (Note [Context
+    parallel]). Returns q's shape."""
+    group = _resolve(process_group, "ulysses")
+    _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens)
+    return _attention("ulysses", q, k, v, group, None, softmax_scale, causal)
 
 
 def ring_attention(
@@ -306,87 +387,37 @@ def ring_attention(
     causal=False,
     process_group=None,
 ):
-    """Attention of ``q, k, v`` ([batch, seq, heads, head_dim]) with the sequence split on the
-    ``cp`` axis: K/V blocks go around the ring (``ppermute``), merged by online softmax; causal
-    attention uses the zig-zag split (Note [Context parallel]). Returns q's shape."""
-    call = "ring_attention"
-    group = _resolve(process_group, call)
+    """Attention of ``q, k, v`` ([batch, seq, heads, head_dim]) with the sequence split over the
+    group (default: the whole context-parallel group): K/V blocks go around the ring
+    (``ppermute``), merged by online softmax; causal attention uses the zig-zag split (Note
+    [Context parallel]). Returns q's shape."""
+    group = _resolve(process_group, "ring_attention")
+    _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
+    return _attention("ring_attention", q, k, v, None, group, softmax_scale, causal)
+
+
+def context_parallel_2d(
+    q,
+    k,
+    v,
+    q_lens=None,
+    k_lens=None,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    inter_process_group=None,
+    intra_process_group=None,
+):
+    """2-D context parallel: Ulysses (all-to-all over heads) inside each ``intra`` group, ring
+    attention across them (``inter``), one region. The groups default to those of
+    :func:`initialize_context_parallel` (``intra_size``). Returns q's shape."""
+    call = "context_parallel_2d"
+    inter = _resolve(inter_process_group, call, "inter")
+    intra = _resolve(intra_process_group, call, "intra")
+    if inter.mesh is not intra.mesh:
+        raise ValueError(f"{call}: the inter and intra groups come from different meshes")
     _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)
-    cp = group.size
-    chunks = 2 * cp if causal else cp
-    if q.shape[1] % chunks or k.shape[1] % chunks:
-        raise ValueError(
-            f"{call}: q's sequence length {q.shape[1]} and k/v's {k.shape[1]} must be divisible "
-            f"by {'2 * cp' if causal else 'cp'}={chunks} (cp={cp}"
-            + (", zig-zag split for causal balance)" if causal else ")")
-        )
-    if causal and q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"{call}: causal attention needs q and k/v of one sequence length, got {q.shape[1]} "
-            f"and {k.shape[1]}"
-        )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    bax = _batch_axis(group, q.shape[0])
-
-    def make():
-        spec = P(bax, "cp", None, None)
-        pos_spec = P("cp")
-        ring = [(i, (i + 1) % cp) for i in range(cp)]
-
-        def body(q, k, v, qpos, kpos):
-            b, sq, h, d = q.shape
-            m = jnp.full((b, h, sq), _NEG, jnp.float32)
-            den = jnp.zeros((b, h, sq), jnp.float32)
-            acc = jnp.zeros((b, h, sq, d), jnp.float32)
-            for step in range(cp):
-                s = _scores(q, k, scale)
-                if causal:
-                    mask = (qpos[:, None] >= kpos[None, :])[None, None]
-                    s = jnp.where(mask, s, _NEG)
-                m_new = jnp.maximum(m, s.max(-1))
-                p = jnp.exp(s - m_new[..., None])
-                if causal:
-                    p = jnp.where(mask, p, 0.0)
-                alpha = jnp.exp(m - m_new)
-                den = den * alpha + p.sum(-1)
-                vv = _expand_kv(v, h).astype(jnp.float32)
-                acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
-                m = m_new
-                if step + 1 < cp:
-                    k, v, kpos = (jax.lax.ppermute(x, "cp", ring) for x in (k, v, kpos))
-            out = acc / den[..., None]
-            return jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype)
-
-        def fwd(q, k, v):
-            s = q.shape[1]
-            pos = jnp.arange(s, dtype=jnp.int32)
-            if causal:  # the zig-zag layout: reorder chunks, positions travel with them
-                order = np.array(_zigzag_order(cp))
-                c = s // chunks
-
-                def zig(x):
-                    x = x.reshape(x.shape[0], chunks, c, *x.shape[2:])[:, order]
-                    return x.reshape(x.shape[0], s, *x.shape[3:])
-
-                q, k, v = zig(q), zig(k), zig(v)
-                pos = pos.reshape(chunks, c)[order].reshape(s)
-            out = jax.shard_map(
-                body,
-                mesh=group.mesh,
-                in_specs=(spec, spec, spec, pos_spec, pos_spec),
-                out_specs=spec,
-                check_vma=False,
-            )(q, k, v, pos, pos)
-            if causal:  # back to the natural order
-                inverse = np.argsort(order)
-                out = out.reshape(out.shape[0], chunks, c, *out.shape[2:])[:, inverse]
-                out = out.reshape(out.shape[0], s, *out.shape[3:])
-            return out
-
-        return fwd
-
-    fwd = _cached(("ring", id(group.mesh), bax, scale, bool(causal)), make)
-    return _with_vjp(fwd, (q, k, v), "ring_attention")
+    return _attention(call, q, k, v, intra, inter, softmax_scale, causal)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -409,7 +440,7 @@ def _check_dim(x, dim, group, call):
 
 def _layout_op(x, d, group, split_forward, name):
     ndim = x.dim()
-    split = NamedSharding(group.mesh, P(*[("cp" if i == d else None) for i in range(ndim)]))
+    split = NamedSharding(group.mesh, P(*[(group.spec if i == d else None) for i in range(ndim)]))
     whole = NamedSharding(group.mesh, P())
     first, second = (split, whole) if split_forward else (whole, split)
 
@@ -419,7 +450,7 @@ def _layout_op(x, d, group, split_forward, name):
 
         return fwd
 
-    fwd = _cached((name, id(group.mesh), d, ndim), make)
+    fwd = _cached((name, id(group.mesh), group.axes, d, ndim), make)
 
     def make_bwd():
         def bwd(g):
@@ -427,7 +458,7 @@ def _layout_op(x, d, group, split_forward, name):
 
         return bwd
 
-    bwd = _cached((name + "_bwd", id(group.mesh), d, ndim), make_bwd)
+    bwd = _cached((name + "_bwd", id(group.mesh), group.axes, d, ndim), make_bwd)
 
     class _Op(torch.autograd.Function):
         @staticmethod
