@@ -24,8 +24,9 @@ import torchacc  # noqa: E402
 DEV = torchacc.device()
 
 
-def eager_attention(q, k, v, causal, scale=None):
-    """Full attention on CPU, [batch, seq, heads, head_dim]."""
+def eager_attention(q, k, v, causal, scale=None, q_lens=None, k_lens=None):
+    """Full attention on CPU, [batch, seq, heads, head_dim]; with lengths, keys past a row's
+    k_len are masked and queries past its q_len give 0."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
     k = k.repeat_interleave(q.shape[2] // k.shape[2], dim=2)
     v = v.repeat_interleave(q.shape[2] // v.shape[2], dim=2)
@@ -33,7 +34,14 @@ def eager_attention(q, k, v, causal, scale=None):
     if causal:
         keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
         s = s.masked_fill(~keep, float("-inf"))
-    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    if k_lens is not None:
+        pad = torch.arange(k.shape[1])[None, :] >= torch.tensor(k_lens)[:, None]
+        s = s.masked_fill(pad[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+    if q_lens is not None:
+        pad = torch.arange(q.shape[1])[None, :] >= torch.tensor(q_lens)[:, None]
+        out = out.masked_fill(pad[:, :, None, None], 0.0)
+    return out
 
 
 def _qkv(seed, shape=(2, 16, 4, 8), kv_heads=None):
@@ -42,15 +50,17 @@ def _qkv(seed, shape=(2, 16, 4, 8), kv_heads=None):
     return [torch.randn(*s, generator=g, requires_grad=True) for s in (shape, kv_shape, kv_shape)]
 
 
-def _check(op, cp, causal, seed=0, kv_heads=None, softmax_scale=None, intra=None):
+def _check(op, cp, causal, seed=0, kv_heads=None, softmax_scale=None, intra=None, lens=None):
     group = cp_ops.initialize_context_parallel(cp, intra)
     assert cp_ops.get_context_parallel_group() is group and group.size == cp
     q, k, v = _qkv(seed, kv_heads=kv_heads)
-    want = eager_attention(q, k, v, causal, softmax_scale)
+    q_lens, k_lens = lens or (None, None)
+    want = eager_attention(q, k, v, causal, softmax_scale, q_lens, k_lens)
     grad_out = torch.randn(want.shape, generator=torch.Generator().manual_seed(seed + 1))
     want.backward(grad_out)
     qd, kd, vd = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
-    out = op(qd, kd, vd, softmax_scale=softmax_scale, causal=causal)
+    as_tensor = [None if x is None else torch.tensor(x).to(DEV) for x in (q_lens, k_lens)]
+    out = op(qd, kd, vd, *as_tensor, softmax_scale=softmax_scale, causal=causal)
     out.backward(grad_out.to(DEV))
     torchacc.sync()
     for got, ref in ((out, want), (qd.grad, q.grad), (kd.grad, k.grad), (vd.grad, v.grad)):
@@ -71,6 +81,14 @@ def test_2d_ulysses_inside_ring_across_matches_eager(causal):
     _check(cp_ops.context_parallel_2d, 4, causal, seed=5, intra=2)
     assert cp_ops.get_intra_cp_process_group().size == 2
     assert cp_ops.get_inter_cp_process_group().size == 2
+
+
+def test_varlen_lengths_match_eager():
+    """q_lens / k_lens: padding at the end of each row; keys past k_len masked, queries past
+    q_len give 0 (and no gradient)."""
+    _check(cp_ops.ring_attention, 4, True, seed=6, lens=([11, 16], [11, 16]))
+    _check(cp_ops.ulysses, 2, False, seed=7, lens=([5, 16], [9, 16]))
+    _check(cp_ops.context_parallel_2d, 4, True, seed=8, intra=2, lens=(None, [13, 7]))
 
 
 def test_gqa_and_softmax_scale():
@@ -162,5 +180,9 @@ def test_bad_input_is_one_value_error():
         cp_ops.initialize_context_parallel(3)
     with pytest.raises(ValueError, match="process_group must be"):
         cp_ops.ulysses(q, k, v, process_group=object())
+    with pytest.raises(ValueError, match=r"q_lens must be an integer tensor of shape \(2,\)"):
+        cp_ops.ring_attention(q, k, v, q_lens=torch.tensor([3]))
+    with pytest.raises(ValueError, match=r"k_lens \[3, 13\] must lie in \[0, 12\]"):
+        cp_ops.ring_attention(q, k, v, k_lens=torch.tensor([3, 13]))
     with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
         cp_ops.ulysses(q, k, v, dropout_p=0.1)

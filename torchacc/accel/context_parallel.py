@@ -20,6 +20,9 @@ Note [Context parallel]
     work; the reorder into and out of that layout is an XLA gather around the region. Masks are
     computed from the tokens' global positions, which travel with the K/V block. Needs seq
     divisible by cp (2 * cp when causal).
+    Varlen: ``q_lens`` / ``k_lens`` ([batch] integers) say how many tokens of each row are
+    real (padding at the end): keys at or past k_len are masked, queries at or past q_len give
+    0. The lengths enter the region as arrays split on ``dp``; the masks use global positions.
     2-D: Ulysses inside each ``intra`` group, then the ring across them (``inter``), in one
     region; the positions are all-gathered over ``intra`` in the all-to-all's order, so the
     ring's masks stay right.
@@ -166,18 +169,20 @@ def _jax_node(fn, tensors, name):
 _vjps: dict = {}  # forward -> its VJP function (one per forward, so its node is cached too)
 
 
-def _with_vjp(fwd, tensors, name):
+def _with_vjp(fwd, tensors, name, n_diff=None):
     """``fwd`` (arrays -> one array) on ``tensors`` with autograd: the backward is one node
-    running ``jax.vjp(fwd)``."""
-
-    bwd = _vjps.get(fwd)
+    running ``jax.vjp(fwd)`` with respect to the first ``n_diff`` tensors (default: all; the
+    rest, integer lengths, get no gradient)."""
+    n_diff = len(tensors) if n_diff is None else n_diff
+    bwd = _vjps.get((fwd, n_diff))
     if bwd is None:
 
         def bwd(*args):
             *xs, g = args
-            return jax.vjp(fwd, *xs)[1](g)
+            rest = xs[n_diff:]
+            return jax.vjp(lambda *d: fwd(*d, *rest), *xs[:n_diff])[1](g)
 
-        _vjps[fwd] = bwd
+        _vjps[fwd, n_diff] = bwd
 
     class _Op(torch.autograd.Function):
         @staticmethod
@@ -187,7 +192,8 @@ def _with_vjp(fwd, tensors, name):
 
         @staticmethod
         def backward(ctx, g):
-            return tuple(_jax_node(bwd, (*ctx.saved_tensors, g.contiguous()), name + "_bwd"))
+            grads = _jax_node(bwd, (*ctx.saved_tensors, g.contiguous()), name + "_bwd")
+            return (*grads, *[None] * (len(tensors) - n_diff))
 
     return _Op.apply(*tensors)
 
@@ -224,7 +230,7 @@ def _body(a2a, ring, n_ring, scale, causal):
     tokens' global positions (``qpos``, ``kpos``), which travel with the blocks."""
     perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
 
-    def body(q, k, v, qpos, kpos):
+    def body(q, k, v, qpos, kpos, *lens):
         if a2a:  # [b, s/n, h, d] -> [b, s, h/n, d]; the positions gathered in the same order
             q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))
             qpos, kpos = (jax.lax.all_gather(p, a2a, tiled=True) for p in (qpos, kpos))
@@ -235,11 +241,14 @@ def _body(a2a, ring, n_ring, scale, causal):
         for step in range(n_ring):
             s = _scores(q, k, scale)
             mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
-            if causal:
+            if lens:  # varlen: keys at or past a row's k_len are padding
+                keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
+                mask = keep if mask is None else mask & keep
+            if mask is not None:
                 s = jnp.where(mask, s, _NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
-            if causal:  # a row with every key of this block masked adds nothing
+            if mask is not None:  # a row with every key of this block masked adds nothing
                 p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp(m - m_new)
             den = den * alpha + p.sum(-1)
@@ -248,7 +257,10 @@ def _body(a2a, ring, n_ring, scale, causal):
             m = m_new
             if step + 1 < n_ring:
                 k, v, kpos = (jax.lax.ppermute(x, ring, perm) for x in (k, v, kpos))
-        out = jnp.transpose(acc / den[..., None], (0, 2, 1, 3)).astype(q.dtype)
+        out = acc / jnp.where(den > 0, den, 1.0)[..., None]
+        if lens:  # varlen: queries at or past q_len are padding, their output 0
+            out = jnp.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
+        out = jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype)
         if a2a:  # back: [b, s, h/n, d] -> [b, s/n, h, d]
             out = jax.lax.all_to_all(out, a2a, 1, 2, tiled=True)
         return out
@@ -261,7 +273,7 @@ def _zigzag_order(n):
     return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
 
 
-def _make_attention(mesh, bax, a2a, ring, scale, causal):
+def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
     """The JAX function (q, k, v) -> out: one shard_map over ``a2a + ring``, sequences split on
     those axes (ring major); the zig-zag reorder around it when a causal ring runs."""
     sizes = dict(mesh.shape)
@@ -273,7 +285,7 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal):
     body = _body(a2a, ring, n_ring, scale, causal)
     zigzag = causal and n_ring > 1
 
-    def fwd(q, k, v):
+    def fwd(q, k, v, *lens):
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
         if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
@@ -289,10 +301,10 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal):
         out = jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(spec, spec, spec, pos_spec, pos_spec),
+            in_specs=(spec, spec, spec, pos_spec, pos_spec, *[P(bax)] * len(lens)),
             out_specs=spec,
             check_vma=False,
-        )(q, k, v, qpos, kpos)
+        )(q, k, v, qpos, kpos, *lens)
         return zig(out, np.argsort(order)) if zigzag else out
 
     return fwd
@@ -319,11 +331,31 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens):
         )
     if dropout_p:
         raise NotImplementedError(f"{call}: dropout_p={dropout_p} (only 0.0 is supported)")
-    if q_lens is not None or k_lens is not None:
-        raise NotImplementedError(f"{call}: q_lens / k_lens (varlen) are not supported yet")
+    lens = []
+    for name, n, t in (("q_lens", q.shape[1], q_lens), ("k_lens", k.shape[1], k_lens)):
+        if t is None:
+            lens.append(None)
+            continue
+        if not isinstance(t, torch.Tensor):
+            t = torch.tensor(t)
+        if tuple(t.shape) != (q.shape[0],) or t.is_floating_point():
+            raise ValueError(
+                f"{call}: {name} must be an integer tensor of shape ({q.shape[0]},) (one length "
+                f"per batch row), got {t.dtype} of shape {tuple(t.shape)}"
+            )
+        if t.device.type == "cpu" and ((t < 0) | (t > n)).any():
+            raise ValueError(f"{call}: {name} {t.tolist()} must lie in [0, {n}]")
+        lens.append(t.to(q.device, torch.int32))
+    if lens == [None, None]:
+        return []
+    full = [
+        torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
+        for n in (q.shape[1], k.shape[1])
+    ]
+    return [full[i] if t is None else t for i, t in enumerate(lens)]
 
 
-def _attention(call, q, k, v, a2a_group, ring_group, softmax_scale, causal):
+def _attention(call, q, k, v, lens, a2a_group, ring_group, softmax_scale, causal):
     """Checks, then the region: Ulysses over ``a2a_group``, the ring over ``ring_group``."""
     a2a = a2a_group.axes if a2a_group is not None and a2a_group.size > 1 else ()
     ring = ring_group.axes if ring_group is not None and ring_group.size > 1 else ()
@@ -352,9 +384,10 @@ def _attention(call, q, k, v, a2a_group, ring_group, softmax_scale, causal):
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     dp = int(mesh.shape["dp"])
     bax = "dp" if dp > 1 and q.shape[0] % dp == 0 else None
-    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal))
-    fwd = _cached(key, lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal)))
-    return _with_vjp(fwd, (q, k, v), call)
+    varlen = bool(lens)
+    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal), varlen)
+    fwd = _cached(key, lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal), varlen))
+    return _with_vjp(fwd, (q, k, v, *lens), call, n_diff=3)
 
 
 def ulysses(
@@ -372,8 +405,8 @@ def ulysses(
     group (default: the whole context-parallel group), by all-to-all over heads (Note [Context
     parallel]). Returns q's shape."""
     group = _resolve(process_group, "ulysses")
-    _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens)
-    return _attention("ulysses", q, k, v, group, None, softmax_scale, causal)
+    lens = _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens)
+    return _attention("ulysses", q, k, v, lens, group, None, softmax_scale, causal)
 
 
 def ring_attention(
@@ -392,8 +425,8 @@ def ring_attention(
     (``ppermute``), merged by online softmax; causal attention uses the zig-zag split (Note
     [Context parallel]). Returns q's shape."""
     group = _resolve(process_group, "ring_attention")
-    _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
-    return _attention("ring_attention", q, k, v, None, group, softmax_scale, causal)
+    lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
+    return _attention("ring_attention", q, k, v, lens, None, group, softmax_scale, causal)
 
 
 def context_parallel_2d(
@@ -416,8 +449,8 @@ def context_parallel_2d(
     intra = _resolve(intra_process_group, call, "intra")
     if inter.mesh is not intra.mesh:
         raise ValueError(f"{call}: the inter and intra groups come from different meshes")
-    _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)
-    return _attention(call, q, k, v, intra, inter, softmax_scale, causal)
+    lens = _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)
+    return _attention(call, q, k, v, lens, intra, inter, softmax_scale, causal)
 
 
 # ---------------------------------------------------------------------------------------------
