@@ -121,6 +121,39 @@ def test_regions_use_jax_collectives_over_cp():
     assert "f32[2,4,4,4]" in ring_hlo and "f32[2,4,16,16]" not in ring_hlo
 
 
+def _temp_bytes(fn, mesh, seq, shape=(1, 512, 4, 16)):
+    """Per-device temporary bytes of ``fn``'s compiled program (XLA's memory analysis), q/k/v
+    split on ``seq``."""
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(mesh, PartitionSpec(None, seq))
+    arg = jax.ShapeDtypeStruct(shape, jax.numpy.float32, sharding=sharding)
+    return jax.jit(fn).lower(arg, arg, arg).compile().memory_analysis().temp_size_in_bytes
+
+
+def _fwd_bwd(f):
+    return lambda q, k, v: jax.vjp(f, q, k, v)[1](q)
+
+
+def test_per_device_attention_bytes_shrink_by_cp():
+    """Attention activations per device (forward, and forward + backward) are <= 1/cp + 10% of
+    the unsharded program's, for Ulysses and the causal ring (XLA's memory analysis of the
+    compiled program; the [seq, seq] scores dominate at seq 512)."""
+    import numpy as np
+
+    one = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("dp", "inter", "intra"))
+    plain = cp_ops._make_attention(one, None, (), (), 0.25, True, False)
+    base = [_temp_bytes(g, one, None) for g in (plain, _fwd_bwd(plain))]
+    for cp in (2, 4):
+        group = cp_ops.initialize_context_parallel(cp)
+        axes = group.axes
+        for a2a, ring in ((axes, ()), ((), axes)):
+            f = cp_ops._make_attention(group.mesh, None, a2a, ring, 0.25, True, False)
+            for g, full in zip((f, _fwd_bwd(f)), base):
+                got = _temp_bytes(g, group.mesh, group.spec)
+                assert got <= full * 1.1 / cp, (cp, a2a, ring, got, full)
+
+
 def test_split_and_gather_helpers():
     group = cp_ops.initialize_context_parallel(4)
     x = torch.randn(2, 8, 3, requires_grad=True)

@@ -73,9 +73,8 @@ class ContextParallelGroup:
         return self.axes[0] if len(self.axes) == 1 else self.axes
 
     def __repr__(self):
-        return (
-            f"ContextParallelGroup({'x'.join(self.axes)}={self.size}, mesh={dict(self.mesh.shape)})"
-        )
+        axes = " x ".join(self.axes)
+        return f"ContextParallelGroup({axes}={self.size}, mesh={dict(self.mesh.shape)})"
 
 
 _groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup
@@ -285,7 +284,11 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
     body = _body(a2a, ring, n_ring, scale, causal)
     zigzag = causal and n_ring > 1
 
+    laid = NamedSharding(mesh, spec)
+
     def fwd(q, k, v, *lens):
+        # inputs, results (and so the gradients) stay split on the sequence outside the region
+        q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
         if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
@@ -305,7 +308,8 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
             out_specs=spec,
             check_vma=False,
         )(q, k, v, qpos, kpos, *lens)
-        return zig(out, np.argsort(order)) if zigzag else out
+        out = zig(out, np.argsort(order)) if zigzag else out
+        return jax.lax.with_sharding_constraint(out, laid)
 
     return fwd
 
