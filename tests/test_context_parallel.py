@@ -12,3 +12,21 @@ from spmd_launch import run_cases
 def test_context_parallel_cases_on_4_devices():
     out = run_cases("case_context_parallel.py")
     assert " passed" in out and "failed" not in out
+
+
+@pytest.mark.devices(2)
+def test_per_process_ulysses_under_torchrun(tmp_path):
+    """TorchAcc's style: torchrun, 2 processes x 1 device, each holding its sequence chunk;
+    Ulysses output and dq/dk/dv (through split/gather) equal eager attention."""
+    import json
+
+    from spmd_launch import torchrun_case
+
+    out = tmp_path / "r"
+    proc = torchrun_case("mp_context_parallel_worker.py", out, devices=1)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
+    for rank in (0, 1):
+        r = json.loads((tmp_path / f"r.{rank}.json").read_text())
+        for case in ("full", "causal"):
+            assert max(r[case]) <= 1e-5, (rank, case, r[case])
+        assert "per-process style" in r["ring"]

@@ -33,15 +33,19 @@ from __future__ import annotations
 import math
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torchacc.lowering import region as _region
-from torchacc.lowering.dtypes import jdtype, tdtype
-from torchacc.sharding import api
+from torchacc.accel.cp_regions import (
+    _cached,
+    _fns,  # noqa: F401  (the tests read the cached regions)
+    _jax_node,
+    _make_attention,
+    _with_vjp,
+)
+from torchacc.sharding import api, collectives
 
 __all__ = [
     "initialize_context_parallel",
@@ -54,8 +58,6 @@ __all__ = [
     "get_inter_cp_process_group",
     "get_intra_cp_process_group",
 ]
-
-_NEG = -1e30  # a masked score: finite, so a block with every key masked gives no NaN
 
 
 class ContextParallelGroup:
@@ -77,7 +79,20 @@ class ContextParallelGroup:
         return f"ContextParallelGroup({axes}={self.size}, mesh={dict(self.mesh.shape)})"
 
 
-_groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup
+class ProcessGroups:
+    """Per-process style (torchrun, one device per process, SPMD mode off): the context-parallel
+    groups as lists of consecutive ranks; each process holds its own sequence chunk."""
+
+    def __init__(self, groups, rank):
+        self.groups = [list(g) for g in groups]
+        self.size = len(self.groups[0])
+        self.index = next(g.index(rank) for g in self.groups if rank in g)  # rank in its group
+
+    def __repr__(self):
+        return f"ProcessGroups(cp={self.size}, groups={self.groups})"
+
+
+_groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup (or ProcessGroups)
 
 
 def initialize_context_parallel(cp_size, intra_size=None):
@@ -95,6 +110,21 @@ def initialize_context_parallel(cp_size, intra_size=None):
         raise ValueError(
             f"initialize_context_parallel: intra_size={intra_size} must divide cp_size={cp_size}"
         )
+    from torchacc.runtime import processes
+
+    world = processes.world_size()
+    if world > 1 and not api.is_spmd() and api.local_device_count() == 1:
+        # TorchAcc's way: one process per device, each holding its chunk of the sequence
+        if intra != cp_size:
+            raise NotImplementedError(
+                "initialize_context_parallel: intra_size (2-D) in the per-process style is not "
+                "supported yet; use the SPMD style (xr.use_spmd() first)"
+            )
+        ranks = list(range(world))
+        groups = [ranks[i : i + cp_size] for i in range(0, world, cp_size)]
+        _groups.clear()
+        _groups["cp"] = ProcessGroups(groups, processes.rank())
+        return _groups["cp"]
     if not api.is_spmd():
         api.use_spmd()
     shape = (n // cp_size, cp_size // intra, intra)
@@ -132,186 +162,13 @@ def get_intra_cp_process_group():
 def _resolve(process_group, call, default="cp"):
     if process_group is None:
         return _initialized(default, call)
-    if isinstance(process_group, ContextParallelGroup):
+    if isinstance(process_group, (ContextParallelGroup, ProcessGroups)):
         return process_group
     raise ValueError(
         f"{call}: process_group must be a group of get_context_parallel_group() & co. (or None), "
         f"got {process_group!r}; torch process groups (one sequence chunk per process) are not "
         "supported yet"
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# a JAX function as one node forward and one backward (its VJP)
-
-_calls: dict = {}
-
-
-def _jax_node(fn, tensors, name):
-    """``fn(*arrays)`` (a tuple of arrays) as one recorded node on the torchacc tensors."""
-    key = (fn, tuple((tuple(t.shape), t.dtype) for t in tensors))
-    call = _calls.get(key)
-    if call is None:
-        specs = [jax.ShapeDtypeStruct(tuple(t.shape), jdtype(t.dtype)) for t in tensors]
-        precision = jax.config.jax_default_matmul_precision
-        with jax.default_matmul_precision(precision):
-            outs = jax.eval_shape(fn, *specs)
-        leaves, out_tree = jax.tree_util.tree_flatten(outs)
-        meta = [(tuple(o.shape), tdtype(o.dtype)) for o in leaves]
-        _, treedef = jax.tree_util.tree_flatten((tuple(specs), {}))
-        fn.__name__ = name
-        call = _region.JaxCall(fn, treedef, range(len(specs)), {}, precision, meta, out_tree)
-        _calls[key] = call
-    return list(_region.call_jax(list(tensors), call.key))
-
-
-_vjps: dict = {}  # forward -> its VJP function (one per forward, so its node is cached too)
-
-
-def _with_vjp(fwd, tensors, name, n_diff=None):
-    """``fwd`` (arrays -> one array) on ``tensors`` with autograd: the backward is one node
-    running ``jax.vjp(fwd)`` with respect to the first ``n_diff`` tensors (default: all; the
-    rest, integer lengths, get no gradient)."""
-    n_diff = len(tensors) if n_diff is None else n_diff
-    bwd = _vjps.get((fwd, n_diff))
-    if bwd is None:
-
-        def bwd(*args):
-            *xs, g = args
-            rest = xs[n_diff:]
-            return jax.vjp(lambda *d: fwd(*d, *rest), *xs[:n_diff])[1](g)
-
-        _vjps[fwd, n_diff] = bwd
-
-    class _Op(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, *ts):
-            ctx.save_for_backward(*ts)
-            return _jax_node(fwd, ts, name)[0]
-
-        @staticmethod
-        def backward(ctx, g):
-            grads = _jax_node(bwd, (*ctx.saved_tensors, g.contiguous()), name + "_bwd")
-            return (*grads, *[None] * (len(tensors) - n_diff))
-
-    return _Op.apply(*tensors)
-
-
-_fns: dict = {}  # (kind, static config) -> (fwd jax function); one per config so nodes cache
-
-
-def _cached(key, make):
-    f = _fns.get(key)
-    if f is None:
-        f = _fns[key] = make()
-    return f
-
-
-# ---------------------------------------------------------------------------------------------
-# attention on one device's blocks
-
-
-def _expand_kv(k, hq):
-    """GQA/MQA: repeat k/v heads up to the query heads."""
-    hk = k.shape[2]
-    return k if hk == hq else jnp.repeat(k, hq // hk, axis=2)
-
-
-def _scores(q, k, scale):
-    """[b, sq, h, d] x [b, sk, h, d] -> [b, h, sq, sk] in float32."""
-    k = _expand_kv(k, q.shape[2])
-    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
-
-
-def _body(a2a, ring, n_ring, scale, causal):
-    """One device's attention: all-to-all over the ``a2a`` axes (Ulysses), then ``n_ring`` K/V
-    blocks passed around the ``ring`` axes merged by online softmax. Masks come from the
-    tokens' global positions (``qpos``, ``kpos``), which travel with the blocks."""
-    perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
-
-    def body(q, k, v, qpos, kpos, *lens):
-        if a2a:  # [b, s/n, h, d] -> [b, s, h/n, d]; the positions gathered in the same order
-            q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))
-            qpos, kpos = (jax.lax.all_gather(p, a2a, tiled=True) for p in (qpos, kpos))
-        b, sq, h, d = q.shape
-        m = jnp.full((b, h, sq), _NEG, jnp.float32)
-        den = jnp.zeros((b, h, sq), jnp.float32)
-        acc = jnp.zeros((b, h, sq, d), jnp.float32)
-        for step in range(n_ring):
-            s = _scores(q, k, scale)
-            mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
-            if lens:  # varlen: keys at or past a row's k_len are padding
-                keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
-                mask = keep if mask is None else mask & keep
-            if mask is not None:
-                s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            if mask is not None:  # a row with every key of this block masked adds nothing
-                p = jnp.where(mask, p, 0.0)
-            alpha = jnp.exp(m - m_new)
-            den = den * alpha + p.sum(-1)
-            vv = _expand_kv(v, h).astype(jnp.float32)
-            acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
-            m = m_new
-            if step + 1 < n_ring:
-                k, v, kpos = (jax.lax.ppermute(x, ring, perm) for x in (k, v, kpos))
-        out = acc / jnp.where(den > 0, den, 1.0)[..., None]
-        if lens:  # varlen: queries at or past q_len are padding, their output 0
-            out = jnp.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
-        out = jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype)
-        if a2a:  # back: [b, s, h/n, d] -> [b, s/n, h, d]
-            out = jax.lax.all_to_all(out, a2a, 1, 2, tiled=True)
-        return out
-
-    return body
-
-
-def _zigzag_order(n):
-    """Chunk order of the zig-zag layout: device i holds chunks i and 2 * n - 1 - i."""
-    return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
-
-
-def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
-    """The JAX function (q, k, v) -> out: one shard_map over ``a2a + ring``, sequences split on
-    those axes (ring major); the zig-zag reorder around it when a causal ring runs."""
-    sizes = dict(mesh.shape)
-    n_ring = int(np.prod([sizes[a] for a in ring]))
-    n = n_ring * int(np.prod([sizes[a] for a in a2a]))
-    seq_axes = tuple(a for a in mesh.axis_names if a in ring + a2a)
-    seq = seq_axes[0] if len(seq_axes) == 1 else seq_axes
-    spec, pos_spec = P(bax, seq, None, None), P(seq)
-    body = _body(a2a, ring, n_ring, scale, causal)
-    zigzag = causal and n_ring > 1
-
-    laid = NamedSharding(mesh, spec)
-
-    def fwd(q, k, v, *lens):
-        # inputs, results (and so the gradients) stay split on the sequence outside the region
-        q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
-        qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
-        kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
-        if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
-            order = np.array(_zigzag_order(n))
-
-            def zig(x, ix):
-                c = x.shape[1] // (2 * n)
-                x = x.reshape(x.shape[0], 2 * n, c, *x.shape[2:])[:, ix]
-                return x.reshape(x.shape[0], 2 * n * c, *x.shape[3:])
-
-            q, k, v = zig(q, order), zig(k, order), zig(v, order)
-            qpos = kpos = zig(qpos[None], order)[0]
-        out = jax.shard_map(
-            body,
-            mesh=mesh,
-            in_specs=(spec, spec, spec, pos_spec, pos_spec, *[P(bax)] * len(lens)),
-            out_specs=spec,
-            check_vma=False,
-        )(q, k, v, qpos, kpos, *lens)
-        out = zig(out, np.argsort(order)) if zigzag else out
-        return jax.lax.with_sharding_constraint(out, laid)
-
-    return fwd
 
 
 # ---------------------------------------------------------------------------------------------
@@ -410,6 +267,8 @@ def ulysses(
     parallel]). Returns q's shape."""
     group = _resolve(process_group, "ulysses")
     lens = _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens)
+    if isinstance(group, ProcessGroups):
+        return _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal)
     return _attention("ulysses", q, k, v, lens, group, None, softmax_scale, causal)
 
 
@@ -429,6 +288,11 @@ def ring_attention(
     (``ppermute``), merged by online softmax; causal attention uses the zig-zag split (Note
     [Context parallel]). Returns q's shape."""
     group = _resolve(process_group, "ring_attention")
+    if isinstance(group, ProcessGroups):
+        raise NotImplementedError(
+            "ring_attention: the per-process style (torchrun, a chunk per process) is not "
+            "supported yet; use ulysses there, or the SPMD style (xr.use_spmd() first)"
+        )
     lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
     return _attention("ring_attention", q, k, v, lens, None, group, softmax_scale, causal)
 
@@ -449,6 +313,8 @@ def context_parallel_2d(
     attention across them (``inter``), one region. The groups default to those of
     :func:`initialize_context_parallel` (``intra_size``). Returns q's shape."""
     call = "context_parallel_2d"
+    if isinstance(_groups.get("cp"), ProcessGroups):
+        raise NotImplementedError(f"{call}: the per-process style is not supported yet")
     inter = _resolve(inter_process_group, call, "inter")
     intra = _resolve(intra_process_group, call, "intra")
     if inter.mesh is not intra.mesh:
@@ -515,6 +381,9 @@ def split_forward_gather_backward(x, dim, process_group=None):
     in SPMD style a "split" is a layout, the tensor keeps its global shape."""
     call = "split_forward_gather_backward"
     group = _resolve(process_group, call)
+    if isinstance(group, ProcessGroups):
+        d = x.dim() and dim % x.dim()
+        return _Split.apply(x, d, group)
     d = _check_dim(x, dim, group, call)
     return _layout_op(x, d, group, True, "cp_split")
 
@@ -524,5 +393,81 @@ def gather_forward_split_backward(x, dim, process_group=None):
     along ``dim`` on ``cp`` in the backward. Values unchanged."""
     call = "gather_forward_split_backward"
     group = _resolve(process_group, call)
+    if isinstance(group, ProcessGroups):
+        return _Gather.apply(x, x.dim() and dim % x.dim(), group)
     d = _check_dim(x, dim, group, call)
     return _layout_op(x, d, group, False, "cp_gather")
+
+
+# ---------------------------------------------------------------------------------------------
+# the per-process style: torch ops and the engine's collectives (sharding/collectives.py), each
+# collective with its adjoint as the backward
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, split, concat, group):
+        ctx.dims, ctx.group = (split, concat), group
+        return collectives.all_to_all(x, split, concat, group.size, group.groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        split, concat = ctx.dims
+        out = collectives.all_to_all(
+            g.contiguous(), concat, split, ctx.group.size, ctx.group.groups
+        )
+        return out, None, None, None
+
+
+class _Split(torch.autograd.Function):
+    """This process's chunk of ``dim``; the gradient all-gathered."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        _check_dim(x, dim, group, "split_forward_gather_backward")
+        ctx.dim, ctx.group = dim, group
+        return x.chunk(group.size, dim)[group.index].contiguous()
+
+    @staticmethod
+    def backward(ctx, g):
+        return collectives.all_gather(g.contiguous(), ctx.dim, ctx.group.groups), None, None
+
+
+class _Gather(torch.autograd.Function):
+    """Every process's chunk concatenated along ``dim``; the gradient split back (TorchAcc's
+    semantics: the gradient is the same on every process)."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        return collectives.all_gather(x.contiguous(), dim, group.groups)
+
+    @staticmethod
+    def backward(ctx, g):
+        return g.chunk(ctx.group.size, ctx.dim)[ctx.group.index].contiguous(), None, None
+
+
+def _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal):
+    """Each process holds [b, seq / cp, h, d]: all-to-all to [b, seq, h / cp, d], attention on
+    whole sequences (torch ops), all-to-all back."""
+    call = "ulysses"
+    cp = group.size
+    if q.shape[2] % cp or k.shape[2] % cp:
+        raise ValueError(
+            f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
+            f"cp={cp}"
+        )
+    if lens:
+        raise NotImplementedError(f"{call}: q_lens / k_lens in the per-process style")
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    q, k, v = (_AllToAll.apply(x, 2, 1, group) for x in (q, k, v))
+    rep = q.shape[2] // k.shape[2]
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
+    if causal:
+        sq, sk = s.shape[-2], s.shape[-1]
+        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
+        s = s.masked_fill(~keep, float("-inf"))
+    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float()).to(q.dtype)
+    return _AllToAll.apply(out, 1, 2, group)

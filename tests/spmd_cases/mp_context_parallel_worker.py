@@ -1,0 +1,64 @@
+"""Worker of tests/test_context_parallel.py's torchrun case: TorchAcc's per-process style of
+context parallel, 2 processes x 1 CPU device, each holding its chunk of the sequence.
+
+    python -m torch.distributed.run --nproc_per_node=2 mp_context_parallel_worker.py OUT
+
+Ulysses (causal and not) and split/gather: each rank's output chunk and its gradients' chunks
+against full eager attention on CPU; writes OUT.<rank>.json with the errors.
+"""
+
+import json
+import math
+import sys
+
+import torch
+import torch.distributed as dist
+from torchacc.ops import context_parallel as cp
+
+import torchacc
+import torchacc.torch_xla.distributed.xla_backend  # noqa: F401  (registers "xla")
+
+DEV = torchacc.device()
+
+
+def eager_attention(q, k, v, causal):
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k) / math.sqrt(q.shape[-1])
+    if causal:
+        keep = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool).tril()
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v)
+
+
+def main(out):
+    dist.init_process_group(backend="xla", init_method="env://")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = cp.initialize_context_parallel(world)
+    assert cp.get_context_parallel_group() is group and group.size == world
+    result = {}
+    for causal in (False, True):
+        g = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(2, 8, 4, 4, generator=g, requires_grad=True) for _ in range(3))
+        want = eager_attention(q, k, v, causal)
+        grad_out = torch.randn(want.shape, generator=g)
+        want.backward(grad_out)
+        # this rank's chunk of the sequence, as TorchAcc's scripts hold it
+        full = [t.detach().to(DEV).requires_grad_() for t in (q, k, v)]
+        local = [cp.split_forward_gather_backward(t, 1, group) for t in full]
+        o = cp.ulysses(*local, causal=causal)
+        gathered = cp.gather_forward_split_backward(o, 1)
+        gathered.backward(grad_out.to(DEV))
+        torchacc.sync()
+        errs = [(o.cpu() - want.detach().chunk(world, 1)[rank]).abs().max().item()]
+        errs.append((gathered.cpu() - want.detach()).abs().max().item())
+        errs += [(t.grad.cpu() - r.grad).abs().max().item() for t, r in zip(full, (q, k, v))]
+        result["causal" if causal else "full"] = errs
+    try:
+        cp.ring_attention(*local)
+    except NotImplementedError as e:
+        result["ring"] = str(e)
+    with open(f"{out}.{rank}.json", "w") as f:
+        json.dump(result, f)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
