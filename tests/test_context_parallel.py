@@ -15,9 +15,9 @@ def test_context_parallel_cases_on_4_devices():
 
 
 @pytest.mark.devices(2)
-def test_per_process_ulysses_under_torchrun(tmp_path):
+def test_per_process_ulysses_and_ring_under_torchrun(tmp_path):
     """TorchAcc's style: torchrun, 2 processes x 1 device, each holding its sequence chunk;
-    Ulysses output and dq/dk/dv (through split/gather) equal eager attention."""
+    Ulysses and ring output and dq/dk/dv (through split/gather) equal eager attention."""
     import json
 
     from spmd_launch import torchrun_case
@@ -27,6 +27,7 @@ def test_per_process_ulysses_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     for rank in (0, 1):
         r = json.loads((tmp_path / f"r.{rank}.json").read_text())
-        for case in ("full", "causal"):
-            assert max(r[case]) <= 1e-5, (rank, case, r[case])
-        assert "per-process style" in r["ring"]
+        for op in ("ulysses", "ring_attention"):
+            for case in ("full", "causal"):
+                errs = r[f"{op}-{case}"]
+                assert max(errs) <= 1e-5, (rank, op, case, errs)

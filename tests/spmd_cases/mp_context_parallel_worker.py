@@ -3,7 +3,7 @@ context parallel, 2 processes x 1 CPU device, each holding its chunk of the sequ
 
     python -m torch.distributed.run --nproc_per_node=2 mp_context_parallel_worker.py OUT
 
-Ulysses (causal and not) and split/gather: each rank's output chunk and its gradients' chunks
+Ulysses and ring (causal and not) and split/gather: each rank's output chunk and its gradients' chunks
 against full eager attention on CPU; writes OUT.<rank>.json with the errors.
 """
 
@@ -44,18 +44,17 @@ def main(out):
         # this rank's chunk of the sequence, as TorchAcc's scripts hold it
         full = [t.detach().to(DEV).requires_grad_() for t in (q, k, v)]
         local = [cp.split_forward_gather_backward(t, 1, group) for t in full]
-        o = cp.ulysses(*local, causal=causal)
-        gathered = cp.gather_forward_split_backward(o, 1)
-        gathered.backward(grad_out.to(DEV))
-        torchacc.sync()
-        errs = [(o.cpu() - want.detach().chunk(world, 1)[rank]).abs().max().item()]
-        errs.append((gathered.cpu() - want.detach()).abs().max().item())
-        errs += [(t.grad.cpu() - r.grad).abs().max().item() for t, r in zip(full, (q, k, v))]
-        result["causal" if causal else "full"] = errs
-    try:
-        cp.ring_attention(*local)
-    except NotImplementedError as e:
-        result["ring"] = str(e)
+        for op in (cp.ulysses, cp.ring_attention):
+            o = op(*local, causal=causal)
+            gathered = cp.gather_forward_split_backward(o, 1)
+            gathered.backward(grad_out.to(DEV))
+            torchacc.sync()
+            errs = [(o.cpu() - want.detach().chunk(world, 1)[rank]).abs().max().item()]
+            errs.append((gathered.cpu() - want.detach()).abs().max().item())
+            errs += [(t.grad.cpu() - r.grad).abs().max().item() for t, r in zip(full, (q, k, v))]
+            result[f"{op.__name__}-{'causal' if causal else 'full'}"] = errs
+            for t in full:
+                t.grad = None
     with open(f"{out}.{rank}.json", "w") as f:
         json.dump(result, f)
 

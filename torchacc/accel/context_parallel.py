@@ -288,12 +288,11 @@ def ring_attention(
     (``ppermute``), merged by online softmax; causal attention uses the zig-zag split (Note
     [Context parallel]). Returns q's shape."""
     group = _resolve(process_group, "ring_attention")
-    if isinstance(group, ProcessGroups):
-        raise NotImplementedError(
-            "ring_attention: the per-process style (torchrun, a chunk per process) is not "
-            "supported yet; use ulysses there, or the SPMD style (xr.use_spmd() first)"
-        )
     lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
+    if isinstance(group, ProcessGroups):
+        if lens:
+            raise NotImplementedError("ring_attention: q_lens / k_lens in the per-process style")
+        return _ring_per_process(q, k, v, group, softmax_scale, causal)
     return _attention("ring_attention", q, k, v, lens, None, group, softmax_scale, causal)
 
 
@@ -471,3 +470,57 @@ def _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal):
         s = s.masked_fill(~keep, float("-inf"))
     out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float()).to(q.dtype)
     return _AllToAll.apply(out, 1, 2, group)
+
+
+class _Permute(torch.autograd.Function):
+    """Each member's block to the next member of its ring; the gradient back the other way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return collectives.collective_permute(x, _ring_pairs(group, 1))
+
+    @staticmethod
+    def backward(ctx, g):
+        return collectives.collective_permute(g.contiguous(), _ring_pairs(ctx.group, -1)), None
+
+
+def _ring_pairs(group, step):
+    return [(g[i], g[(i + step) % len(g)]) for g in group.groups for i in range(len(g))]
+
+
+def _ring_per_process(q, k, v, group, softmax_scale, causal):
+    """Each process holds its contiguous chunk (member i: tokens i * c .. (i + 1) * c); K/V go
+    around the ring, merged by online softmax in torch ops. No zig-zag here: the chunks are the
+    ones the caller split (causal work is not balanced)."""
+    n, r = group.size, group.index
+    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
+    b, sq, h, d = q.shape
+    sk = k.shape[1]
+    dev = q.device
+    qpos = torch.arange(sq, device=dev) + r * sq
+    qf = q.float()
+    m = torch.full((b, h, sq), -1e30, device=dev)
+    den = torch.zeros((b, h, sq), device=dev)
+    acc = torch.zeros((b, h, sq, d), device=dev)
+    kk, vv = k, v
+    for step in range(n):
+        rep = h // kk.shape[2]
+        kx = kk.repeat_interleave(rep, dim=2) if rep > 1 else kk
+        vx = vv.repeat_interleave(rep, dim=2) if rep > 1 else vv
+        s = torch.einsum("bqhd,bkhd->bhqk", qf, kx.float()) * scale
+        if causal:  # the block came from member (r - step) % n
+            kpos = torch.arange(sk, device=dev) + ((r - step) % n) * sk
+            mask = (qpos[:, None] >= kpos[None, :])[None, None]
+            s = torch.where(mask, s, torch.full_like(s, -1e30))
+        m_new = torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m_new[..., None])
+        if causal:
+            p = torch.where(mask, p, torch.zeros_like(p))
+        alpha = torch.exp(m - m_new)
+        den = den * alpha + p.sum(-1)
+        acc = acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, vx.float())
+        m = m_new
+        if step + 1 < n:
+            kk, vv = _Permute.apply(kk, group), _Permute.apply(vv, group)
+    return (acc / den[..., None]).transpose(1, 2).to(q.dtype)
