@@ -17,7 +17,8 @@ def test_context_parallel_cases_on_4_devices():
 @pytest.mark.devices(2)
 def test_per_process_ulysses_and_ring_under_torchrun(tmp_path):
     """TorchAcc's style: torchrun, 2 processes x 1 device, each holding its sequence chunk;
-    Ulysses and ring output and dq/dk/dv (through split/gather) equal eager attention."""
+    Ulysses and ring output and dq/dk/dv (through split/gather) equal eager attention, causal,
+    not, and varlen."""
     import json
 
     from spmd_launch import torchrun_case
@@ -28,6 +29,6 @@ def test_per_process_ulysses_and_ring_under_torchrun(tmp_path):
     for rank in (0, 1):
         r = json.loads((tmp_path / f"r.{rank}.json").read_text())
         for op in ("ulysses", "ring_attention"):
-            for case in ("full", "causal"):
+            for case in ("full", "causal", "varlen"):
                 errs = r[f"{op}-{case}"]
                 assert max(errs) <= 1e-5, (rank, op, case, errs)

@@ -175,7 +175,9 @@ def _resolve(process_group, call, default="cp"):
 # checks
 
 
-def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens):
+def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, chunks=1):
+    """Checks; the lengths as int32 device tensors ([] without varlen). ``chunks``: how many
+    processes' chunks make a sequence (per-process style), for the lengths' bound."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(
@@ -193,7 +195,8 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens):
     if dropout_p:
         raise NotImplementedError(f"{call}: dropout_p={dropout_p} (only 0.0 is supported)")
     lens = []
-    for name, n, t in (("q_lens", q.shape[1], q_lens), ("k_lens", k.shape[1], k_lens)):
+    sizes = (q.shape[1] * chunks, k.shape[1] * chunks)
+    for name, n, t in (("q_lens", sizes[0], q_lens), ("k_lens", sizes[1], k_lens)):
         if t is None:
             lens.append(None)
             continue
@@ -209,10 +212,7 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens):
         lens.append(t.to(q.device, torch.int32))
     if lens == [None, None]:
         return []
-    full = [
-        torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device)
-        for n in (q.shape[1], k.shape[1])
-    ]
+    full = [torch.full((q.shape[0],), n, dtype=torch.int32, device=q.device) for n in sizes]
     return [full[i] if t is None else t for i, t in enumerate(lens)]
 
 
@@ -266,7 +266,8 @@ def ulysses(
     group (default: the whole context-parallel group), by all-to-all over heads (Note [Context
     parallel]). Returns q's shape."""
     group = _resolve(process_group, "ulysses")
-    lens = _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens)
+    per = group.size if isinstance(group, ProcessGroups) else 1
+    lens = _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens, per)
     if isinstance(group, ProcessGroups):
         return _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal)
     return _attention("ulysses", q, k, v, lens, group, None, softmax_scale, causal)
@@ -288,11 +289,10 @@ def ring_attention(
     (``ppermute``), merged by online softmax; causal attention uses the zig-zag split (Note
     [Context parallel]). Returns q's shape."""
     group = _resolve(process_group, "ring_attention")
-    lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens)
+    per = group.size if isinstance(group, ProcessGroups) else 1
+    lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens, per)
     if isinstance(group, ProcessGroups):
-        if lens:
-            raise NotImplementedError("ring_attention: q_lens / k_lens in the per-process style")
-        return _ring_per_process(q, k, v, group, softmax_scale, causal)
+        return _ring_per_process(q, k, v, lens, group, softmax_scale, causal)
     return _attention("ring_attention", q, k, v, lens, None, group, softmax_scale, causal)
 
 
@@ -456,19 +456,11 @@ def _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal):
             f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
             f"cp={cp}"
         )
-    if lens:
-        raise NotImplementedError(f"{call}: q_lens / k_lens in the per-process style")
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     q, k, v = (_AllToAll.apply(x, 2, 1, group) for x in (q, k, v))
-    rep = q.shape[2] // k.shape[2]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
-    s = torch.einsum("bqhd,bkhd->bhqk", q.float(), k.float()) * scale
-    if causal:
-        sq, sk = s.shape[-2], s.shape[-1]
-        keep = torch.ones(sq, sk, dtype=torch.bool, device=s.device).tril(sk - sq)
-        s = s.masked_fill(~keep, float("-inf"))
-    out = torch.einsum("bhqk,bkhd->bqhd", s.softmax(-1), v.float()).to(q.dtype)
+    qpos = torch.arange(q.shape[1], device=q.device)
+    kpos = torch.arange(k.shape[1], device=q.device)
+    out = _online_attention(q, k, v, qpos, lambda step: kpos, 1, None, scale, causal, lens)
     return _AllToAll.apply(out, 1, 2, group)
 
 
@@ -489,38 +481,53 @@ def _ring_pairs(group, step):
     return [(g[i], g[(i + step) % len(g)]) for g in group.groups for i in range(len(g))]
 
 
-def _ring_per_process(q, k, v, group, softmax_scale, causal):
+def _ring_per_process(q, k, v, lens, group, softmax_scale, causal):
     """Each process holds its contiguous chunk (member i: tokens i * c .. (i + 1) * c); K/V go
     around the ring, merged by online softmax in torch ops. No zig-zag here: the chunks are the
     ones the caller split (causal work is not balanced)."""
     n, r = group.size, group.index
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    b, sq, h, d = q.shape
-    sk = k.shape[1]
-    dev = q.device
+    sq, sk, dev = q.shape[1], k.shape[1], q.device
     qpos = torch.arange(sq, device=dev) + r * sq
+
+    def kpos(step):  # the block of step ``step`` came from member (r - step) % n
+        return torch.arange(sk, device=dev) + ((r - step) % n) * sk
+
+    return _online_attention(q, k, v, qpos, kpos, n, group, scale, causal, lens)
+
+
+def _online_attention(q, k, v, qpos, kpos_of, n, group, scale, causal, lens):
+    """Attention of ``q`` over ``n`` K/V blocks (the next one from the ring's previous member),
+    merged by online softmax; masks from the global positions and the lengths."""
+    b, sq, h, d = q.shape
+    dev = q.device
     qf = q.float()
     m = torch.full((b, h, sq), -1e30, device=dev)
     den = torch.zeros((b, h, sq), device=dev)
     acc = torch.zeros((b, h, sq, d), device=dev)
-    kk, vv = k, v
     for step in range(n):
-        rep = h // kk.shape[2]
-        kx = kk.repeat_interleave(rep, dim=2) if rep > 1 else kk
-        vx = vv.repeat_interleave(rep, dim=2) if rep > 1 else vv
+        rep = h // k.shape[2]
+        kx = k.repeat_interleave(rep, dim=2) if rep > 1 else k
+        vx = v.repeat_interleave(rep, dim=2) if rep > 1 else v
         s = torch.einsum("bqhd,bkhd->bhqk", qf, kx.float()) * scale
-        if causal:  # the block came from member (r - step) % n
-            kpos = torch.arange(sk, device=dev) + ((r - step) % n) * sk
-            mask = (qpos[:, None] >= kpos[None, :])[None, None]
+        kpos = kpos_of(step)
+        mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
+        if lens:  # keys at or past a row's k_len are padding
+            keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
+            mask = keep if mask is None else mask & keep
+        if mask is not None:
             s = torch.where(mask, s, torch.full_like(s, -1e30))
         m_new = torch.maximum(m, s.amax(-1))
         p = torch.exp(s - m_new[..., None])
-        if causal:
+        if mask is not None:
             p = torch.where(mask, p, torch.zeros_like(p))
         alpha = torch.exp(m - m_new)
         den = den * alpha + p.sum(-1)
         acc = acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, vx.float())
         m = m_new
         if step + 1 < n:
-            kk, vv = _Permute.apply(kk, group), _Permute.apply(vv, group)
-    return (acc / den[..., None]).transpose(1, 2).to(q.dtype)
+            k, v = _Permute.apply(k, group), _Permute.apply(v, group)
+    out = acc / torch.where(den > 0, den, torch.ones_like(den))[..., None]
+    if lens:  # queries at or past q_len give 0
+        out = torch.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
+    return out.transpose(1, 2).to(q.dtype)
