@@ -38,6 +38,13 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from torchacc.accel.cp_process import (
+    ProcessGroups,
+    _Gather,
+    _ring_per_process,
+    _Split,
+    _ulysses_per_process,
+)
 from torchacc.accel.cp_regions import (
     _cached,
     _fns,  # noqa: F401  (the tests read the cached regions)
@@ -45,7 +52,7 @@ from torchacc.accel.cp_regions import (
     _make_attention,
     _with_vjp,
 )
-from torchacc.sharding import api, collectives
+from torchacc.sharding import api
 
 __all__ = [
     "initialize_context_parallel",
@@ -77,19 +84,6 @@ class ContextParallelGroup:
     def __repr__(self):
         axes = " x ".join(self.axes)
         return f"ContextParallelGroup({axes}={self.size}, mesh={dict(self.mesh.shape)})"
-
-
-class ProcessGroups:
-    """Per-process style (torchrun, one device per process, SPMD mode off): the context-parallel
-    groups as lists of consecutive ranks; each process holds its own sequence chunk."""
-
-    def __init__(self, groups, rank):
-        self.groups = [list(g) for g in groups]
-        self.size = len(self.groups[0])
-        self.index = next(g.index(rank) for g in self.groups if rank in g)  # rank in its group
-
-    def __repr__(self):
-        return f"ProcessGroups(cp={self.size}, groups={self.groups})"
 
 
 _groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup (or ProcessGroups)
@@ -381,8 +375,7 @@ def split_forward_gather_backward(x, dim, process_group=None):
     call = "split_forward_gather_backward"
     group = _resolve(process_group, call)
     if isinstance(group, ProcessGroups):
-        d = x.dim() and dim % x.dim()
-        return _Split.apply(x, d, group)
+        return _Split.apply(x, _check_dim(x, dim, group, call), group)
     d = _check_dim(x, dim, group, call)
     return _layout_op(x, d, group, True, "cp_split")
 
@@ -393,141 +386,10 @@ def gather_forward_split_backward(x, dim, process_group=None):
     call = "gather_forward_split_backward"
     group = _resolve(process_group, call)
     if isinstance(group, ProcessGroups):
-        return _Gather.apply(x, x.dim() and dim % x.dim(), group)
+        if x.dim() == 0 or not -x.dim() <= dim < x.dim():
+            raise ValueError(
+                f"{call}: dim={dim} out of range for a tensor of shape {tuple(x.shape)}"
+            )
+        return _Gather.apply(x, dim % x.dim(), group)
     d = _check_dim(x, dim, group, call)
     return _layout_op(x, d, group, False, "cp_gather")
-
-
-# ---------------------------------------------------------------------------------------------
-# the per-process style: torch ops and the engine's collectives (sharding/collectives.py), each
-# collective with its adjoint as the backward
-
-
-class _AllToAll(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, split, concat, group):
-        ctx.dims, ctx.group = (split, concat), group
-        return collectives.all_to_all(x, split, concat, group.size, group.groups)
-
-    @staticmethod
-    def backward(ctx, g):
-        split, concat = ctx.dims
-        out = collectives.all_to_all(
-            g.contiguous(), concat, split, ctx.group.size, ctx.group.groups
-        )
-        return out, None, None, None
-
-
-class _Split(torch.autograd.Function):
-    """This process's chunk of ``dim``; the gradient all-gathered."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        _check_dim(x, dim, group, "split_forward_gather_backward")
-        ctx.dim, ctx.group = dim, group
-        return x.chunk(group.size, dim)[group.index].contiguous()
-
-    @staticmethod
-    def backward(ctx, g):
-        return collectives.all_gather(g.contiguous(), ctx.dim, ctx.group.groups), None, None
-
-
-class _Gather(torch.autograd.Function):
-    """Every process's chunk concatenated along ``dim``; the gradient split back (TorchAcc's
-    semantics: the gradient is the same on every process)."""
-
-    @staticmethod
-    def forward(ctx, x, dim, group):
-        ctx.dim, ctx.group = dim, group
-        return collectives.all_gather(x.contiguous(), dim, group.groups)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g.chunk(ctx.group.size, ctx.dim)[ctx.group.index].contiguous(), None, None
-
-
-def _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal):
-    """Each process holds [b, seq / cp, h, d]: all-to-all to [b, seq, h / cp, d], attention on
-    whole sequences (torch ops), all-to-all back."""
-    call = "ulysses"
-    cp = group.size
-    if q.shape[2] % cp or k.shape[2] % cp:
-        raise ValueError(
-            f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
-            f"cp={cp}"
-        )
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    q, k, v = (_AllToAll.apply(x, 2, 1, group) for x in (q, k, v))
-    qpos = torch.arange(q.shape[1], device=q.device)
-    kpos = torch.arange(k.shape[1], device=q.device)
-    out = _online_attention(q, k, v, qpos, lambda step: kpos, 1, None, scale, causal, lens)
-    return _AllToAll.apply(out, 1, 2, group)
-
-
-class _Permute(torch.autograd.Function):
-    """Each member's block to the next member of its ring; the gradient back the other way."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.collective_permute(x, _ring_pairs(group, 1))
-
-    @staticmethod
-    def backward(ctx, g):
-        return collectives.collective_permute(g.contiguous(), _ring_pairs(ctx.group, -1)), None
-
-
-def _ring_pairs(group, step):
-    return [(g[i], g[(i + step) % len(g)]) for g in group.groups for i in range(len(g))]
-
-
-def _ring_per_process(q, k, v, lens, group, softmax_scale, causal):
-    """Each process holds its contiguous chunk (member i: tokens i * c .. (i + 1) * c); K/V go
-    around the ring, merged by online softmax in torch ops. No zig-zag here: the chunks are the
-    ones the caller split (causal work is not balanced)."""
-    n, r = group.size, group.index
-    scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    sq, sk, dev = q.shape[1], k.shape[1], q.device
-    qpos = torch.arange(sq, device=dev) + r * sq
-
-    def kpos(step):  # the block of step ``step`` came from member (r - step) % n
-        return torch.arange(sk, device=dev) + ((r - step) % n) * sk
-
-    return _online_attention(q, k, v, qpos, kpos, n, group, scale, causal, lens)
-
-
-def _online_attention(q, k, v, qpos, kpos_of, n, group, scale, causal, lens):
-    """Attention of ``q`` over ``n`` K/V blocks (the next one from the ring's previous member),
-    merged by online softmax; masks from the global positions and the lengths."""
-    b, sq, h, d = q.shape
-    dev = q.device
-    qf = q.float()
-    m = torch.full((b, h, sq), -1e30, device=dev)
-    den = torch.zeros((b, h, sq), device=dev)
-    acc = torch.zeros((b, h, sq, d), device=dev)
-    for step in range(n):
-        rep = h // k.shape[2]
-        kx = k.repeat_interleave(rep, dim=2) if rep > 1 else k
-        vx = v.repeat_interleave(rep, dim=2) if rep > 1 else v
-        s = torch.einsum("bqhd,bkhd->bhqk", qf, kx.float()) * scale
-        kpos = kpos_of(step)
-        mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
-        if lens:  # keys at or past a row's k_len are padding
-            keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
-            mask = keep if mask is None else mask & keep
-        if mask is not None:
-            s = torch.where(mask, s, torch.full_like(s, -1e30))
-        m_new = torch.maximum(m, s.amax(-1))
-        p = torch.exp(s - m_new[..., None])
-        if mask is not None:
-            p = torch.where(mask, p, torch.zeros_like(p))
-        alpha = torch.exp(m - m_new)
-        den = den * alpha + p.sum(-1)
-        acc = acc * alpha[..., None] + torch.einsum("bhqk,bkhd->bhqd", p, vx.float())
-        m = m_new
-        if step + 1 < n:
-            k, v = _Permute.apply(k, group), _Permute.apply(v, group)
-    out = acc / torch.where(den > 0, den, torch.ones_like(den))[..., None]
-    if lens:  # queries at or past q_len give 0
-        out = torch.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
-    return out.transpose(1, 2).to(q.dtype)
