@@ -13,6 +13,7 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
                              them (gradient averaging, "start ranks equal")
 - ``regions``     (library)  manual regions of the user's code (``xs.shard_map``,
                              ``custom_kernel._shard_map``)
+- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``)
 - ``data``        (library)  every process loads its own data: how the loaders lay a batch out,
                              the processes' agreement on its shapes (Note [Per-process batches])
 
