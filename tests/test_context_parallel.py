@@ -28,7 +28,7 @@ def test_per_process_ulysses_and_ring_under_torchrun(tmp_path):
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
     for rank in (0, 1):
         r = json.loads((tmp_path / f"r.{rank}.json").read_text())
-        for op in ("ulysses", "ring_attention"):
+        for op in ("ulysses", "ring_attention", "context_parallel_2d"):
             for case in ("full", "causal", "varlen"):
                 errs = r[f"{op}-{case}"]
                 assert max(errs) <= 1e-5, (rank, op, case, errs)

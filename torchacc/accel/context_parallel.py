@@ -40,6 +40,7 @@ from jax.sharding import PartitionSpec as P
 
 from torchacc.accel.cp_process import (
     ProcessGroups,
+    _2d_per_process,
     _Gather,
     _ring_per_process,
     _Split,
@@ -108,16 +109,18 @@ def initialize_context_parallel(cp_size, intra_size=None):
 
     world = processes.world_size()
     if world > 1 and not api.is_spmd() and api.local_device_count() == 1:
-        # TorchAcc's way: one process per device, each holding its chunk of the sequence
-        if intra != cp_size:
-            raise NotImplementedError(
-                "initialize_context_parallel: intra_size (2-D) in the per-process style is not "
-                "supported yet; use the SPMD style (xr.use_spmd() first)"
-            )
-        ranks = list(range(world))
-        groups = [ranks[i : i + cp_size] for i in range(0, world, cp_size)]
+        # TorchAcc's way: one process per device, each holding its chunk of the sequence;
+        # ranks laid out as dp x inter x intra, as TorchAcc's groups are
+        grid = np.arange(world).reshape(world // cp_size, cp_size // intra, intra)
+        rank = processes.rank()
         _groups.clear()
-        _groups["cp"] = ProcessGroups(groups, processes.rank())
+        _groups.update(
+            cp=ProcessGroups(grid.reshape(-1, cp_size).tolist(), rank),
+            inter=ProcessGroups(
+                grid.transpose(0, 2, 1).reshape(-1, cp_size // intra).tolist(), rank
+            ),
+            intra=ProcessGroups(grid.reshape(-1, intra).tolist(), rank),
+        )
         return _groups["cp"]
     if not api.is_spmd():
         api.use_spmd()
@@ -306,10 +309,13 @@ def context_parallel_2d(
     attention across them (``inter``), one region. The groups default to those of
     :func:`initialize_context_parallel` (``intra_size``). Returns q's shape."""
     call = "context_parallel_2d"
-    if isinstance(_groups.get("cp"), ProcessGroups):
-        raise NotImplementedError(f"{call}: the per-process style is not supported yet")
     inter = _resolve(inter_process_group, call, "inter")
     intra = _resolve(intra_process_group, call, "intra")
+    if isinstance(inter, ProcessGroups) != isinstance(intra, ProcessGroups):
+        raise ValueError(f"{call}: the inter and intra groups are of different styles")
+    if isinstance(inter, ProcessGroups):
+        lens = _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, inter.size * intra.size)
+        return _2d_per_process(q, k, v, lens, inter, intra, softmax_scale, causal)
     if inter.mesh is not intra.mesh:
         raise ValueError(f"{call}: the inter and intra groups come from different meshes")
     lens = _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)

@@ -210,3 +210,18 @@ def _online_attention(q, k, v, qpos, kpos_of, n, group, ring, scale, causal, len
     if lens:  # queries at or past q_len give 0
         out = torch.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
     return out.transpose(1, 2).to(q.dtype)
+
+
+def _2d_per_process(q, k, v, lens, inter, intra, softmax_scale, causal):
+    """Ulysses inside the ``intra`` group (consecutive ranks: after the all-to-all each holds
+    its group's contiguous segment for heads / intra heads), the ring across ``inter`` on those
+    segments, the all-to-all back."""
+    if q.shape[2] % intra.size or k.shape[2] % intra.size:
+        raise ValueError(
+            f"context_parallel_2d: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be "
+            f"divisible by the intra group size={intra.size}"
+        )
+    if intra.size > 1:
+        q, k, v = (_AllToAll.apply(x, 2, 1, intra) for x in (q, k, v))
+    out = _ring_per_process(q, k, v, lens, inter, softmax_scale, causal)
+    return _AllToAll.apply(out, 1, 2, intra) if intra.size > 1 else out
