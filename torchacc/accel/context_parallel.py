@@ -9,6 +9,10 @@ over the group's axes and the batch on ``dp``, with JAX's collectives inside
 backward is JAX's VJP of the same region, recomputing the forward). Nothing of torchacc's own
 moves data: ``all_to_all`` / ``ppermute`` are JAX's, the layouts around the region XLA's.
 
+Per-process style (TorchAcc's: torchrun, one device per process, SPMD mode off): each process
+holds its chunk of the sequence and the ops are torch ops over the engine's collectives
+(accel/cp_process.py), the same algorithms on rank groups instead of mesh axes.
+
 Note [Context parallel]
     Ulysses: each device holds ``seq / cp`` tokens of every head; an ``all_to_all`` over ``cp``
     trades them for every token of ``heads / cp`` heads, attention runs locally, and a second
@@ -93,7 +97,9 @@ _groups: dict = {}  # "cp" / "inter" / "intra" -> ContextParallelGroup (or Proce
 def initialize_context_parallel(cp_size, intra_size=None):
     """Lay the job's devices out as a ``dp x inter x intra`` mesh (``inter * intra = cp_size``;
     ``intra`` defaults to ``cp_size``; consecutive devices form one ``intra`` group, as
-    TorchAcc's ranks do) and switch SPMD mode on. Returns the context-parallel group."""
+    TorchAcc's ranks do) and switch SPMD mode on. Returns the context-parallel group. In a
+    torchrun job of one device per process with SPMD mode off, the same layout is made of
+    rank groups instead (the per-process style)."""
     cp_size = int(cp_size)
     n = api.device_count()
     if cp_size < 1 or n % cp_size:
