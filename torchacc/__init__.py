@@ -29,7 +29,7 @@ from torchacc.accel.config import Config
 from torchacc.accel.loader import AsyncLoader
 from torchacc.accel.api import accelerate, mark_dynamic
 from torchacc.accel import ops
-from torchacc.accel.scan_hf import scan_hf_layers
+from torchacc.lazy.scan_hf import scan_hf_layers
 
 mark_step = sync
 _op_sites.install()  # TORCHACC_DEBUG=1: each recorded op knows the user's line that recorded it

@@ -1,4 +1,5 @@
-"""Layers built on the functional API."""
+"""``torchacc_ops``' layers: ``RMSNorm``, an ``nn.Module`` over ``torchacc_ops.rms_norm`` (the
+fused kernel on the torchacc device, the eager formula elsewhere)."""
 
 from __future__ import annotations
 

@@ -1,3 +1,4 @@
-"""TorchAcc's front door: ``Config``, ``accelerate``, ``AsyncLoader`` with bucketing, and
-gradient checkpointing that saves memory (exported as ``torchacc.Config``, ``torchacc.accelerate``
-...)."""
+"""TorchAcc's front door: ``Config`` and its validation, ``accelerate`` (a config translated into
+engine calls), ``AsyncLoader``'s bucketing and ``Config.memory.gc`` (exported as
+``torchacc.Config``, ``torchacc.accelerate`` ...). Gradient checkpointing and the HF scan helper
+are the lazy frontend's (torchacc/lazy/checkpoint.py, scan_hf.py)."""

@@ -15,7 +15,7 @@ Order of work (everything is checked before anything happens):
 1. ``config.validate_for(model, world_size)`` (``ValueError`` naming the field) and the sizes
    this build cannot run (``NotImplementedError`` naming the field): nothing is started, moved
    or patched before that;
-2. ``memory.gc``: the ``gc_cls`` submodules are checkpointed (torchacc/accel/checkpoint.py);
+2. ``memory.gc``: the ``gc_cls`` submodules are checkpointed (torchacc/accel/gc.py);
 3. the model moves to the device (``'lazy'``: the torchacc device; ``'eager'``: CUDA when there
    is one, else the CPU) and ``model.device`` says where;
 4. ``compute.bf16``/``fp16``: the model's forward runs under autocast of that dtype, parameters
@@ -47,8 +47,8 @@ import os
 import torch
 import torch.nn.functional as F
 
-from torchacc.accel.checkpoint import apply_gc
 from torchacc.accel.config import Config
+from torchacc.accel.gc import apply_gc
 from torchacc.accel.loader import AsyncLoader
 from torchacc.lazy.device import DEVICE_TYPE
 
@@ -153,6 +153,7 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     from torchacc.distributed import fsdp as zero
     from torchacc.lazy.device import device
     from torchacc.sharding import api as sharding
+    from torchacc.sharding import recipes
 
     sharding.use_spmd()
     dp, fsdp, tp = sizes[:3]
@@ -165,15 +166,8 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
-    if tp > 1:
-        for m in model.modules():
-            if isinstance(m, torch.nn.Linear):
-                w = m.weight
-                spec = ("tp", "fsdp" if fsdp > 1 else None)
-                sharding.mark(w, sharding.named_sharding(mesh, spec, tuple(w.shape), "dist.tp"))
-                if m.bias is not None:
-                    b = m.bias
-                    sharding.mark(b, sharding.named_sharding(mesh, ("tp",), tuple(b.shape)))
+    if tp > 1:  # column-parallel Linear layers (the engine's recipe)
+        recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None)
     if fsdp > 1:
         zero.shard_parameters(model, mesh, "fsdp")
 

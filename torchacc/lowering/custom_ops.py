@@ -103,7 +103,7 @@ def _cast_convolution_backward_meta(grad_output, input, weight, dtype, *conv_arg
 # not move computations across nor merge with equal ones (torchacc/lowering/memory.py)
 _lib.define("optimization_barrier(Tensor[] tensors) -> Tensor[]")
 # ``tensors``' values again, as new values computed after ``after`` exist (gradient checkpointing's
-# recompute inputs; Note [Checkpointing that saves memory] in torchacc/accel/checkpoint.py)
+# recompute inputs; Note [Checkpointing that saves memory] in torchacc/lazy/checkpoint.py)
 _lib.define("checkpoint_fence(Tensor[] tensors, Tensor[] after) -> Tensor[]")
 
 

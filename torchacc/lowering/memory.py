@@ -7,7 +7,7 @@ inputs -- on XLA:GPU/TPU. XLA:CPU expands barriers away early in its pipeline, b
 subexpression elimination, so there a barrier alone constrains nothing.
 
 ``checkpoint_fence(tensors, after)`` gives gradient checkpointing's recompute its inputs (Note
-[Checkpointing that saves memory] in torchacc/accel/checkpoint.py): ``tensors``' values, new to
+[Checkpointing that saves memory] in torchacc/lazy/checkpoint.py): ``tensors``' values, new to
 XLA and computed only once ``after`` (the gradients reaching the block) exist. It is a barrier over
 both lists, then a ``select`` of each tensor on a predicate XLA cannot fold, ``s != s & s == s``
 for one element ``s`` of ``after`` (false for every value, NaN included): the outputs equal the

@@ -171,8 +171,8 @@ def xla_replication_devices(local_devices=None):
 
 def optimization_barrier_(tensors):
     """The tensors keep their values, now as the outputs of one XLA optimization barrier
-    (``jax.lax.optimization_barrier``; torchacc/accel/checkpoint.py)."""
-    from torchacc.accel.checkpoint import optimization_barrier_ as barrier
+    (``jax.lax.optimization_barrier``; torchacc/lazy/checkpoint.py)."""
+    from torchacc.lazy.checkpoint import optimization_barrier_ as barrier
 
     barrier(tensors)
 

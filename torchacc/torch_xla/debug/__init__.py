@@ -1,1 +1,2 @@
-"""``torch_xla.debug`` on torchacc."""
+"""``torch_xla.debug`` on torchacc: the package of ``metrics`` (counters, metrics report) and
+``profiler`` (traces, ``StepTrace``)."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint as _torch_checkpoint
 
-from torchacc.accel import checkpoint as _fenced
+from torchacc.lazy import checkpoint as _fenced
 from torchacc.lazy import random as _device_random
 from torchacc.torch_xla.core import xla_model as xm
 
@@ -69,7 +69,7 @@ def checkpoint(function, *args, use_reentrant=True, preserve_rng_state=True, **k
     RNG state (dropout masks match) and CPU RNG state, and both are put back afterwards.
     ``use_reentrant=True`` (the default) recomputes behind a fence, so XLA cannot merge the
     recompute back into the forward and the activations are really freed (Note [Checkpointing
-    that saves memory] in torchacc/accel/checkpoint.py)."""
+    that saves memory] in torchacc/lazy/checkpoint.py)."""
     fn = _replaying(function, preserve_rng_state)
     if use_reentrant:
         return _fenced.checkpoint(fn, *args, preserve_rng_state=False, **kwargs)
