@@ -573,7 +573,7 @@ def markdown(rows: list[dict], meta: dict, plans: dict) -> str:
             plan_txt = "n/a"
         elif ps:
             plan_txt = (
-                f"{_f(ps.get('plan_step_s') and ps['plan_step_s'] * 1000, '.1f')}, "
+                f"{_f(ps.get('plan_step_s') and ps['plan_step_s'] * 1000, '.3g')}, "
                 f"{_f(ps.get('plan_mfu') and 100 * ps['plan_mfu'], '.1f')}%, "
                 f"{_f(ps.get('plan_mem_gib'), '.2f')}"
             )

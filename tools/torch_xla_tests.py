@@ -3,6 +3,7 @@
     nice -n 10 python tools/torch_xla_tests.py /path/to/pytorch-xla-checkout
     python tools/torch_xla_tests.py CHECKOUT --only test_metrics.py test_ops.py   # a few files
     python tools/torch_xla_tests.py CHECKOUT --json /tmp/xla_tests.json            # keep results
+    python tools/torch_xla_tests.py CHECKOUT --spmd    # test/spmd/ on 4 CPU devices (SPMD mode)
 
 The checkout is a pytorch/xla source tree fetched by the developer (not part of torchacc, not in
 CI; its ``test/`` and ``examples/``: test_assume_pure*.py import a model from ``examples/``); the
@@ -45,6 +46,7 @@ _PALLAS = "Pallas TPU kernels: run by torch_xla's test/tpu scripts alone; needs 
 # Files that do not run on a one-device CPU box even with torch_xla itself.
 SKIP = {
     "test_utils.py": "a helper module, not a test",
+    "test_xla_sharding_base.py": "a helper module of test/spmd, not a test",
     "test_gmm.py": _PALLAS,
     "test_pallas.py": _PALLAS,
     "test_pallas_spmd.py": _PALLAS,
@@ -99,14 +101,14 @@ def first_error(output):
     return lines[-1].strip()[:160] if lines else ""
 
 
-def run_file(test_dir, name, timeout, python):
+def run_file(test_dir, name, timeout, python, devices=1):
     env = dict(os.environ)
     env.update(
         # run_tests.sh's environment: torch's device-type tests get torch_xla's test base
         TORCH_TEST_DEVICES=os.path.join(test_dir, "pytorch_test_base.py"),
         PYTORCH_TEST_WITH_SLOW="1",
         PJRT_DEVICE="CPU",
-        CPU_NUM_DEVICES="1",
+        CPU_NUM_DEVICES=str(devices),
         JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
         PYTHONPATH=os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p),
     )
@@ -182,10 +184,16 @@ def main(argv=None):
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per file (300)")
     ap.add_argument("--json", help="write the results (with each file's output tail) here")
     ap.add_argument("--python", default=sys.executable)
+    ap.add_argument(
+        "--spmd", action="store_true", help="run test/spmd/ instead, on 4 CPU devices (issue 40)"
+    )
     args = ap.parse_args(argv)
     test_dir = os.path.join(os.path.abspath(args.checkout), "test")
     if not os.path.isdir(test_dir):
         ap.error(f"{args.checkout} has no test/ directory: pass a pytorch/xla checkout")
+    devices = 1
+    if args.spmd:  # test/spmd/: SPMD on 4 CPU devices, each file run as `python spmd/FILE`
+        test_dir, devices = os.path.join(test_dir, "spmd"), 4
     names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(test_dir, "test_*.py")))
     if args.only:
         missing = sorted(set(args.only) - set(names))
@@ -200,7 +208,7 @@ def main(argv=None):
                      error=SKIP[name], output="", apart=False)
             )  # fmt: skip
             continue
-        row = run_file(test_dir, name, args.timeout, args.python)
+        row = run_file(test_dir, name, args.timeout, args.python, devices)
         row["apart"] = name in ERROR_TEXTS
         if row["result"] != "pass" and "No module named 'torchvision'" in row["output"]:
             row.update(result="skip", error=NEEDS_TORCHVISION)

@@ -387,6 +387,7 @@ def _main(argv: list[str] | None) -> int:
         f"--node_rank={node_rank}",
         f"--master_addr={master_addr}",
         f"--master_port={master_port}",
+        f"--max-restarts={args.max_restarts}",
         *_worker_command(worker, wargs),
     ]
     mode = "torchacc (--compiler-opt)" if args.compiler_opt else "eager (DDP)"

@@ -34,6 +34,7 @@ LAUNCH_ONLY = (
     "node_rank",
     "master_addr",
     "master_port",
+    "max_restarts",
     "oversubscribe",
     "script",
     "script_args",
@@ -176,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--node_rank", type=_int_at_least(0, "node_rank"), default=0, help="rank of this node"
     )
+    n = _int_at_least(0, "max_restarts")
+    g.add_argument("--max_restarts", type=n, default=0, help="torchrun's --max-restarts N")
     g.add_argument("--master_addr", default=None, help="rendezvous host (default 127.0.0.1)")
     g.add_argument(
         "--master_port",

@@ -10,6 +10,8 @@ and bools need nothing beyond torch's own list, so it is empty). A file that hol
 is refused (:class:`UnsafeCheckpointError`); a file that is not a checkpoint, or a damaged one,
 raises :class:`CheckpointError` with one line naming it. In a directory, a damaged newest
 checkpoint is skipped with a warning in favour of the newest good one (two are kept for this).
+Each file records ``format_version`` (:data:`FORMAT_VERSION`); one written by a newer version is
+refused with a message naming the file, never half-read.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "SAFE_GLOBALS",
     "CheckpointError",
     "UnsafeCheckpointError",
+    "NewerCheckpointError",
     "save_checkpoint",
     "find_checkpoint",
     "list_checkpoints",
@@ -41,11 +44,17 @@ __all__ = [
 
 # Globals beyond torch's weights_only defaults that a gallery checkpoint may hold: none.
 SAFE_GLOBALS: tuple = ()
+# The layout of a checkpoint file this code writes; files of a newer one are refused.
+FORMAT_VERSION = 1
 _REQUIRED = ("model", "optimizer", "step")
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message is one line naming the file."""
+
+
+class NewerCheckpointError(CheckpointError):
+    """A checkpoint written by a newer format version (refused, not skipped as damaged)."""
 
 
 class UnsafeCheckpointError(CheckpointError):
@@ -101,6 +110,7 @@ def atomic_write_bytes(path: str, write) -> None:
 
 def save_checkpoint(directory: str, state: dict, step: int, keep: int = 2) -> str:
     path = os.path.join(directory, f"checkpoint_{step:08d}.pt")
+    state = {**state, "format_version": FORMAT_VERSION}
     atomic_write_bytes(path, lambda f: torch.save(state, f))
     if keep > 0:
         old = sorted(_list(directory))[:-keep]
@@ -170,6 +180,12 @@ def load_checkpoint(path: str, *, mmap: bool = False) -> dict:
             f"{path}: not a training checkpoint of this trainer (expected keys "
             f"{', '.join(_REQUIRED)}; found {keys})"
         )
+    version = state.get("format_version", 1)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise NewerCheckpointError(
+            f"{path}: checkpoint format version {version!r} was written by a newer torchacc; "
+            f"this one reads versions <= {FORMAT_VERSION}"
+        )
     return state
 
 
@@ -185,7 +201,7 @@ def resolve_checkpoint(path: str, warn=None) -> tuple[str, dict]:
     for file in found:
         try:
             state = load_checkpoint(file, mmap=True)
-        except UnsafeCheckpointError:
+        except (UnsafeCheckpointError, NewerCheckpointError):
             raise
         except CheckpointError as e:
             problems.append(str(e))

@@ -5,6 +5,13 @@ The order of an epoch is ``DistributedSampler(shuffle=True, seed, drop_last=True
 (seed, epoch), so a resumed run can skip straight to batch ``k`` of an epoch and see exactly the
 batches an uninterrupted run would have seen. Datasets with a ``get_batch(indices)`` method (the
 in-memory mock sets) are batched directly; others go through a ``DataLoader`` with workers.
+
+``state_dict(epoch, step)`` is that position as a global sample count (``step * batch_size *
+world_size``) with the dataset's length and the seed; ``load_state_dict`` checks them and gives
+back ``(epoch, step)`` for this run's world size. Global batch ``k`` of an epoch is the same block
+of the epoch's order on every world size (Note [Data positions] in
+torchacc/distributed/data_state.py), so a run resumed on another number of processes with the
+same global batch sees the samples the uninterrupted run would have.
 """
 
 from __future__ import annotations
@@ -13,6 +20,8 @@ from collections.abc import Iterator
 
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
+
+from torchacc.distributed.data_state import STATE_VERSION, DataStateError, check_state
 
 __all__ = ["EpochBatches"]
 
@@ -51,6 +60,46 @@ class EpochBatches:
 
     def __len__(self) -> int:
         return self.steps_per_epoch
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.sampler.num_replicas
+
+    def _fields(self) -> dict:
+        return {
+            "dataset_len": len(self.dataset),
+            "seed": self.sampler.seed,
+            "shuffle": self.sampler.shuffle,
+        }
+
+    def state_dict(self, epoch: int, step: int) -> dict:
+        """The position before batch ``step`` of ``epoch`` (Note [Data positions]); with the
+        dataset's own state when it has one (what identifies it)."""
+        state = {
+            "kind": "EpochBatches",
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "consumed": step * self.global_batch,
+            **self._fields(),
+        }
+        if hasattr(self.dataset, "state_dict"):
+            state["dataset"] = self.dataset.state_dict()
+        return state
+
+    def load_state_dict(self, state: dict, source=None) -> tuple[int, int]:
+        """``(epoch, step)`` of a saved position in this run (its world size, its batch)."""
+        check_state(state, "EpochBatches", self._fields(), source)
+        if "dataset" in state and hasattr(self.dataset, "load_state_dict"):
+            self.dataset.load_state_dict(state["dataset"], source=source)
+        consumed = state["consumed"]
+        if consumed % self.global_batch:
+            where = f"{source}: " if source else ""
+            raise DataStateError(
+                f"{where}EpochBatches state: {consumed} samples of epoch {state['epoch']} were "
+                f"consumed, not a whole number of this run's global batches of {self.global_batch}"
+                f" ({self.batch_size} x {self.sampler.num_replicas} processes); nothing was changed"
+            )
+        return state["epoch"], consumed // self.global_batch
 
     def batches(self, epoch: int, start: int = 0, stop: int | None = None) -> Iterator:
         """Batches ``start`` .. ``stop - 1`` of ``epoch`` (CPU tensors); ``stop`` defaults to the

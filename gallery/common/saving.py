@@ -64,6 +64,31 @@ def load_resume(args, task, model, rank: int, logger) -> dict:
     return ckpt
 
 
+def resume_data_position(loader, state, path, step: int, rank: int, logger) -> None:
+    """Check the checkpoint's data position (``EpochBatches.state_dict``) against this run: the
+    same dataset and seed, and the batch the resumed step takes (Note [Data positions] in
+    torchacc/distributed/data_state.py). A mismatch exits 2 naming the file."""
+    from torchacc.distributed.data_state import DataStateError
+
+    try:
+        epoch, offset = loader.load_state_dict(state, source=path)
+    except DataStateError as e:
+        raise exit_reported(2, f"error: --resume {e}", rank) from None
+    if epoch * loader.steps_per_epoch + offset != step:
+        raise exit_reported(
+            2,
+            f"error: --resume {path}: its data position (epoch {epoch}, batch {offset}) is not "
+            f"step {step} of this run ({loader.steps_per_epoch} steps per epoch)",
+            rank,
+        )
+    if rank == 0:
+        logger.info(
+            f"resumed from step {step}: epoch {epoch}, batch {offset} ({state['consumed']} "
+            f"samples of the epoch consumed, re-split over {loader.sampler.num_replicas} "
+            "process(es))"
+        )
+
+
 def restore(ckpt: dict, optimizer, scaler) -> int:
     """The rest of a loaded checkpoint (optimizer, scaler, RNG) put back; returns its step."""
     optimizer.load_state_dict(ckpt["optimizer"])
@@ -80,8 +105,11 @@ class Saver:
     its own sharded format); False, after one line saying why, if it failed. ``errors`` keeps
     those lines for the summary."""
 
-    def __init__(self, args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps):
+    def __init__(
+        self, args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps, loader=None
+    ):
         self.args, self.task, self.door = args, task, door
+        self.loader = loader  # EpochBatches: its position is saved with the model
         self.model, self.optimizer, self.scaler = model, optimizer, scaler
         self.steps_per_epoch, self.total_steps = steps_per_epoch, total_steps
         self.errors: list[str] = []
@@ -98,6 +126,11 @@ class Saver:
             "rng": {"torch": torch.get_rng_state(), "scheme": "per-step reseed (step_seed)"},
             "args": vars(self.args),
             "model_name": self.task.name,
+            **(
+                {"data": self.loader.state_dict(*divmod(step, self.steps_per_epoch))}
+                if self.loader is not None
+                else {}
+            ),
         }
 
     def __call__(self, step: int) -> bool:

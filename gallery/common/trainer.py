@@ -56,7 +56,13 @@ from gallery.common.launchlib import torchacc_launch
 from gallery.common.logger import create_logger, enable_torchacc_kernel, log_params
 from gallery.common.observe import RunBoard, StepProfiler
 from gallery.common.report import Report
-from gallery.common.saving import Saver, interrupt_line, load_resume, restore
+from gallery.common.saving import (
+    Saver,
+    interrupt_line,
+    load_resume,
+    restore,
+    resume_data_position,
+)
 from gallery.common.saving import unwrap as _unwrap
 
 _launch = torchacc_launch()  # torchacc/launch.py, without importing the compiler core
@@ -170,10 +176,26 @@ def run(task_factory: Callable[[argparse.Namespace], Task], argv: list[str] | No
     if err:
         raise _exit_reported(2, f"error: {err}", rank)
     _ensure_distributed_env()
+    _resume_after_restart(args, rank)
     os.environ["TORCHACC_COMPILER_OPT"] = "1" if args.compiler_opt else "0"
     if args.kernel_opt:
         os.environ["TORCHACC_KERNEL_OPT"] = "1"
     return train(task_factory(args), args)
+
+
+def _resume_after_restart(args: argparse.Namespace, rank: int) -> None:
+    """A worker restarted by torchrun (``--max_restarts``) resumes from ``--save_dir``'s newest
+    checkpoint when it has one (and no ``--resume`` was given), and says so."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or args.resume or not args.save_dir or not os.path.isdir(args.save_dir):
+        return
+    from gallery.common.checkpoint import list_checkpoints
+
+    sharded = [n for n in os.listdir(args.save_dir) if n.isdigit()]
+    if list_checkpoints(args.save_dir) or sharded:
+        args.resume = args.save_dir
+        if rank == 0:
+            print(f"restart {attempt}: resuming from {args.save_dir}", flush=True)
 
 
 def _default_workers(args: argparse.Namespace) -> int:
@@ -207,13 +229,17 @@ def train(task: Task, args: argparse.Namespace) -> dict:
     autocast_context_manager = door.autocast(amp_dtype)
     compiled_step = door.compiled_step(task, model, optimizer, scaler, autocast_context_manager)
     start_step = door.open_checkpoints(model, optimizer) or 0
+    data_state = ckpt_path = None
     if ckpt is not None:
         start_step = restore(ckpt, optimizer, scaler)
+        data_state, ckpt_path = ckpt.get("data"), ckpt.get("path")
         del ckpt
 
     # ---- data
     loader = door.loader(dataset, _default_workers(args))
     steps_per_epoch = loader.steps_per_epoch
+    if data_state is not None:  # the saved data position, checked against this run's data
+        resume_data_position(loader, data_state, ckpt_path, start_step, rank, logger)
     total_steps = args.max_steps if args.max_steps is not None else args.epochs * steps_per_epoch
     steps_to_run = max(total_steps - start_step, 0)
     warmup = args.warmup_steps if args.warmup_steps is not None else min(5, steps_to_run // 2)
@@ -255,7 +281,9 @@ def train(task: Task, args: argparse.Namespace) -> dict:
             kind = "lazy" if door.compiler else "dynamo" if door.dynamo else "eager"
             prof = StepProfiler(args.profile, args.profile_dir, kind, door.cuda, logger.info)
 
-    save = Saver(args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps)
+    save = Saver(
+        args, task, door, model, optimizer, scaler, steps_per_epoch, total_steps, loader=loader
+    )
     report = Report(
         args,
         task,

@@ -9,6 +9,11 @@ offset; inputs are its first ``seq_len`` tokens, targets the last ``seq_len``.
 windows of random lengths laid end to end (each window its own sequence with its own next-token
 targets), with ``position_ids`` restarting at 0 where a window starts; inputs are
 ``(token_ids, position_ids)``.
+
+Both are functions of (seed, index): their ``state_dict()`` is what identifies them (kind, length,
+seed, row shape) and ``load_state_dict`` checks a saved one against this dataset, so a resumed run
+cannot silently continue on other data (Note [Data positions] in
+torchacc/distributed/data_state.py).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 from torch.utils.data import Dataset
+
+from torchacc.distributed.data_state import STATE_VERSION, check_state
 
 __all__ = ["MockTokens", "PackedMockTokens"]
 
@@ -31,6 +38,8 @@ class MockTokens(Dataset):
     ):
         self.seq_len = seq_len
         self.num_samples = num_samples
+        self.seed = seed
+        self.vocab_size = vocab_size
         rng = np.random.default_rng([seed, 7])
         n_phrases = 4096
         lengths = rng.integers(2, 17, n_phrases)
@@ -53,6 +62,22 @@ class MockTokens(Dataset):
 
     def __len__(self) -> int:
         return self.num_samples
+
+    def _identity(self) -> dict:
+        return {
+            "dataset_len": self.num_samples,
+            "seed": self.seed,
+            "seq_len": self.seq_len,
+            "vocab_size": self.vocab_size,
+        }
+
+    def state_dict(self) -> dict:
+        """What identifies this dataset (its rows are functions of seed and index)."""
+        return {"kind": type(self).__name__, "version": STATE_VERSION, **self._identity()}
+
+    def load_state_dict(self, state: dict, source=None) -> None:
+        """Check that ``state`` was saved from this dataset (a ``DataStateError`` if not)."""
+        check_state(state, type(self).__name__, self._identity(), source)
 
     def _offsets(self, indices: torch.Tensor) -> torch.Tensor:
         return (indices * 2_654_435_761 + 12_345) % self.span
@@ -80,6 +105,9 @@ class PackedMockTokens(MockTokens):
                 f"{max_len}, {seq_len}"
             )
         self._seed = kwargs.get("seed", 0)
+
+    def _identity(self) -> dict:
+        return {**super()._identity(), "min_len": self.min_len, "max_len": self.max_len}
 
     def lengths(self, index: int) -> list[int]:
         """The lengths of row ``index``'s sequences (they sum to ``seq_len``)."""

@@ -31,6 +31,19 @@ length. Bucketing (TorchAcc's rule) pads each batch to one of a few lengths:
   (later batches of that length or shorter than it reuse it);
 - a tensor key missing from ``pad_value_dict`` is a ``ValueError`` naming it.
 
+Note [Loader state]
+``AsyncLoader.state_dict()`` is the position after the last batch the *consumer* took (never the
+prefetched ones): the pass number, the batches taken in it, the buckets (grown ones included, so
+a resumed run pads the same way) and the host loader's own state as it was right after it
+produced that batch -- its ``state_dict()`` if it has one (a torchdata ``StatefulDataLoader``, the
+gallery's loaders), or the ``state_dict()`` of a ``DataLoader``'s sampler when it loads in the
+main process (``num_workers=0``: the sampler has then given out exactly the batches produced;
+``torchacc.distributed.data_state.StatefulDistributedSampler``). ``load_state_dict`` restores
+that host state, so the next pass starts at the next batch, on this or another data-parallel size
+(Note [Data positions] in torchacc/distributed/data_state.py). A host loader with no state is
+fast-forwarded instead: the next pass skips the batches already taken (same order needed: a
+seeded sampler). A state of another loader or dataset is a ``DataStateError`` and changes nothing.
+
 ``TORCHACC_DEBUG=1`` prints each batch's original and bucket length, and each new step program's
 memory (temp, argument, output bytes from its ``memory_analysis()``).
 """
@@ -38,6 +51,8 @@ memory (temp, argument, output bytes from its ``memory_analysis()``).
 from __future__ import annotations
 
 import bisect
+import copy
+import itertools
 import os
 import queue
 import sys
@@ -48,6 +63,12 @@ import torch
 import torch.nn.functional as F
 
 from torchacc.accel.config import DEFAULT_PAD_VALUES
+from torchacc.distributed.data_state import (
+    STATE_VERSION,
+    DataStateError,
+    check_state,
+    load_with_source,
+)
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding import data
 from torchacc.sharding.data import _map, upload_tree, wrap_tree  # noqa: F401  (shared uploads)
@@ -83,6 +104,12 @@ class Bucketing:
             raise ValueError(f"bucketing: buckets hold a duplicate length: {buckets}")
         self.buckets = sorted(buckets)
         self.pad_value_dict = dict(DEFAULT_PAD_VALUES if pad_value_dict is None else pad_value_dict)
+
+    def state_dict(self):
+        return {"buckets": list(self.buckets)}
+
+    def load_state_dict(self, state):
+        self.buckets = sorted(state["buckets"])
 
     def bucket_of(self, length):
         """The smallest bucket >= ``length`` (a new one, with a warning, past the largest)."""
@@ -184,13 +211,14 @@ def _host_memory():
 class _Epoch:
     """One pass over the host loader, prefetched by a background thread."""
 
-    def __init__(self, loader, transform, prefetch, input_sharding=None):
+    def __init__(self, loader, transform, prefetch, owner, input_sharding=None):
         from torchacc.runtime.device import jax_device
 
         jax_device()  # pick (and join a multi-process job for) the device on this thread
         self._queue = queue.Queue(maxsize=max(1, prefetch))
         self._done = threading.Event()
         self._loader = loader
+        self._owner = owner
         self._transform = transform
         self._layout = data.batch_layout(input_sharding)
         self._agreement = data.BatchAgreement()
@@ -211,11 +239,11 @@ class _Epoch:
 
     def _work(self):
         try:
-            for batch in self._loader:
+            for batch, state in self._owner._host_batches():
                 batch = self._transform(batch)
                 if not self._agreement.check(batch, self._done):
                     return
-                if not self._put(("batch", upload_tree(batch, self._layout))):
+                if not self._put(("batch", (upload_tree(batch, self._layout), state))):
                     return
             self._agreement.check(None, self._done)
         except BaseException as e:  # re-raised in the consuming thread
@@ -238,10 +266,13 @@ class _Epoch:
             raise StopIteration
         kind, payload = self._queue.get()
         if kind == "batch":
-            return wrap_tree(payload)
+            batch, state = payload
+            self._owner._took(state)
+            return wrap_tree(batch)
         self._done.set()
         if kind == "error":
             raise payload
+        self._owner._ended()
         raise StopIteration
 
     def __del__(self):
@@ -250,13 +281,28 @@ class _Epoch:
             done.set()
 
 
+def _host_sampler(loader):
+    """The sampler whose state is a ``DataLoader``'s position (Note [Loader state]), or None."""
+    if not isinstance(loader, torch.utils.data.DataLoader) or loader.num_workers:
+        return None
+    sampler = loader.batch_sampler.sampler if loader.batch_sampler is not None else loader.sampler
+    return sampler if hasattr(sampler, "state_dict") else None
+
+
+def _stateful(obj):
+    return callable(getattr(obj, "state_dict", None)) and callable(
+        getattr(obj, "load_state_dict", None)
+    )
+
+
 class AsyncLoader:
     """Wraps a host loader: its batches on ``device``, bucketed when ``buckets`` or ``max_length``
     is given (Note [Bucketing]); ``len()`` is the host loader's. ``prefetch``: batches uploaded
     ahead of the step. In SPMD mode ``input_sharding`` (an ``xs.ShardingSpec``, a dict of them
     per batch key, a ``NamedSharding`` or ``fn(tensor) -> NamedSharding``) lays the batch out as
     it is uploaded; with several processes each batch is this process's share of the global
-    batch (Note [Per-process batches] in torchacc/sharding/data.py)."""
+    batch (Note [Per-process batches] in torchacc/sharding/data.py). ``state_dict()`` /
+    ``load_state_dict()``: the position in the data (Note [Loader state])."""
 
     def __init__(
         self,
@@ -276,6 +322,90 @@ class AsyncLoader:
         self.bucketing = None
         if buckets is not None or max_length is not None:
             self.bucketing = Bucketing(buckets, max_length, num_buckets, pad_value_dict)
+        self._pass = 0  # the pass the consumer is in (or the next one, when _ready)
+        self._taken = 0  # batches the consumer took in that pass
+        self._ready = True  # the next iter() starts pass _pass after _taken batches
+        self._host = self._host_state()  # the host loader's state after the last batch taken
+        self._skip = 0  # batches the next pass skips (a loaded state of a stateless loader)
+
+    # -- state (Note [Loader state]) -----------------------------------------------------------
+
+    def _state_source(self):
+        if _stateful(self._loader):
+            return self._loader
+        return _host_sampler(self._loader)
+
+    def _host_state(self):
+        source = self._state_source()
+        return None if source is None else source.state_dict()
+
+    def _host_batches(self):
+        """(batch, host state right after it) over one pass of the host loader."""
+        skip, self._skip = self._skip, 0
+        batches = iter(self._loader)
+        if skip:
+            batches = itertools.islice(batches, skip, None)
+        for batch in batches:
+            yield batch, self._host_state()
+
+    def _took(self, host_state):
+        self._taken += 1
+        self._host = host_state
+
+    def _ended(self):
+        self._host = self._host_state()
+        self._pass, self._taken, self._ready = self._pass + 1, 0, True
+
+    def _length(self):
+        try:
+            return len(self._loader)
+        except TypeError:
+            return None
+
+    def state_dict(self):
+        """The position after the last batch taken (Note [Loader state])."""
+        return {
+            "kind": "AsyncLoader",
+            "version": STATE_VERSION,
+            "pass": self._pass,
+            "batches": self._taken,
+            "length": self._length(),
+            "buckets": None if self.bucketing is None else list(self.bucketing.buckets),
+            "host": copy.deepcopy(self._host),
+        }
+
+    def load_state_dict(self, state, source=None):
+        """Continue after ``state``'s last batch: the next ``iter()`` yields the batch that
+        followed it. Nothing changes if the state is another loader's or dataset's."""
+        check_state(state, "AsyncLoader", {}, source)
+        where = f"{source}: " if source else ""
+        host, target = state.get("host"), self._state_source()
+        if host is None and state.get("length") != self._length():
+            raise DataStateError(
+                f"{where}AsyncLoader state is for another dataset: it was saved on a host loader "
+                f"of {state.get('length')} batches, this one has {self._length()}; nothing was "
+                "changed"
+            )
+        if host is not None and target is None:
+            raise DataStateError(
+                f"{where}AsyncLoader state holds a host loader state ({host.get('kind', '?')}) "
+                f"but this loader's host ({type(self._loader).__name__}) has none to load it "
+                "into; nothing was changed"
+            )
+        if (state.get("buckets") is None) != (self.bucketing is None):
+            raise DataStateError(
+                f"{where}AsyncLoader state was saved with buckets {state.get('buckets')}, this "
+                f"loader's are {self.buckets}; nothing was changed"
+            )
+        if host is not None:
+            load_with_source(target, host, source)
+            self._skip = 0
+        else:
+            self._skip = state["batches"]
+        if self.bucketing is not None:
+            self.bucketing.load_state_dict({"buckets": state["buckets"]})
+        self._pass, self._taken, self._host = state["pass"], state["batches"], host
+        self._ready = True
 
     @property
     def buckets(self):
@@ -285,9 +415,19 @@ class AsyncLoader:
         return batch if self.bucketing is None else self.bucketing(batch)
 
     def __iter__(self):
+        if not self._ready:  # a new pass after an unfinished one
+            self._pass, self._taken = self._pass + 1, 0
+        self._ready = False
         if self.device.type in (DEVICE_TYPE, "xla"):
-            return _Epoch(self._loader, self._transform, self._prefetch, self._input_sharding)
-        return (_to_device(self._transform(b), self.device) for b in self._loader)
+            return _Epoch(self._loader, self._transform, self._prefetch, self, self._input_sharding)
+        return self._eager()
+
+    def _eager(self):
+        for batch, state in self._host_batches():
+            out = _to_device(self._transform(batch), self.device)
+            self._took(state)
+            yield out
+        self._ended()
 
     def __len__(self):
         return len(self._loader)

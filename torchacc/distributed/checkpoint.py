@@ -38,6 +38,16 @@ planner loads non-tensor values with ``weights_only=False``. ``SafeFileSystemRea
 (``checkpoint_metadata.py``) reads metadata with an unpickler that only builds DCP's metadata
 classes, and ``SPMDLoadPlanner`` loads
 non-tensor values with ``weights_only=True``; ``CheckpointManager.restore`` uses both.
+
+Note [Asynchronous saves]
+``CheckpointManager.save_async`` must let the next steps run while it writes, and hold at most one
+copy of this process's shards on the host. Its snapshot (``snapshot(on_device=True)``) enqueues a
+device-to-device copy of each unique block (``jax.device_put(may_alias=False)``: a new buffer,
+ordered before the next step's programs on the device, so donating the original is safe) and
+returns at once; the background writer reads the copies to the host one block at a time as DCP
+writes them. The training thread pays only for enqueuing the copies; the device holds one extra
+copy of the local shards until the write ends; the host holds one block (on a CPU device, where
+device memory is host memory, the copy itself is the one host copy).
 """
 
 from __future__ import annotations
@@ -159,6 +169,16 @@ class Shards:
         pieces = {o: (s, self.read(o), h) for o, (s, _, h) in self.pieces.items()}
         return Shards(self.shape, self.dtype, pieces, self.replicated)
 
+    def on_device(self):
+        """A copy whose blocks are new buffers on their devices (Note [Asynchronous saves]):
+        enqueued, not waited for; the originals may then be donated by the next step."""
+        pieces = {}
+        for o, (s, data, h) in self.pieces.items():
+            if not isinstance(data, torch.Tensor):
+                data = jax.device_put(data, next(iter(data.devices())), may_alias=False)
+            pieces[o] = (s, data, h)
+        return Shards(self.shape, self.dtype, pieces, self.replicated)
+
     def __repr__(self):
         return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
 
@@ -183,17 +203,23 @@ def unique_shards(t):
     return Shards(shape, t.dtype, pieces, array.sharding.is_fully_replicated)
 
 
-def snapshot(state_dict):
-    """A flat copy of ``state_dict`` that training cannot change: torchacc tensors become host
-    :class:`Shards` of this process's unique blocks, CPU tensors clones, other values deep
-    copies (what an asynchronous save writes while the next steps run)."""
+def snapshot(state_dict, on_device=False):
+    """A flat copy of ``state_dict`` that training cannot change: torchacc tensors become
+    :class:`Shards` of this process's unique blocks -- on the host, or with ``on_device`` new
+    device buffers read block by block when written (Note [Asynchronous saves]) --, CPU tensors
+    clones, other values deep copies (what an asynchronous save writes while the next steps
+    run)."""
     flat, _ = flatten_state_dict(state_dict)
-    out = {}
+    out, seen = {}, {}  # one copy of a tensor under several names (tied weights)
     for k, v in flat.items():
         if _on_device(v):
-            out[k] = unique_shards(v).on_host()
+            key = (id(_device_array(v)), tuple(v.shape), v.dtype)  # detach() makes new tensors
+            if key not in seen:
+                shards = unique_shards(v)
+                seen[key] = shards.on_device() if on_device else shards.on_host()
+            out[k] = seen[key]
         elif isinstance(v, Shards):
-            out[k] = v.on_host()
+            out[k] = v.on_device() if on_device else v.on_host()
         elif isinstance(v, torch.Tensor):
             out[k] = v.detach().clone()
         else:

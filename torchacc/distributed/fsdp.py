@@ -14,10 +14,15 @@ from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding import api as engine
 
 
-def parameter_spec(shape, axis="fsdp"):
-    """The partition spec of a parameter of ``shape``: dim 0 over ``axis``, as torch_xla does (a
-    dim 0 the axis does not divide is padded: Note [Padded shards] in sharding/layout.py)."""
-    return tuple([axis] + [None] * (len(shape) - 1)) if shape else ()
+def parameter_spec(shape, axis="fsdp", maximal=False):
+    """The partition spec of a parameter of ``shape``: dim 0 over ``axis`` (a dim the axis does
+    not divide is padded: Note [Padded shards] in sharding/layout.py), or with ``maximal`` its
+    largest dim (the first of equals), as torch_xla's FSDPv2 does."""
+    if not shape:
+        return ()
+    spec = [None] * len(shape)
+    spec[shape.index(max(shape)) if maximal else 0] = axis
+    return tuple(spec)
 
 
 def batch_spec(ndim, batch_axes):
@@ -27,13 +32,14 @@ def batch_spec(ndim, batch_axes):
     return (batch_axes, *([None] * (ndim - 1)))
 
 
-def shard_parameters(module, jmesh, axis="fsdp"):
-    """Shard every parameter of ``module`` not sharded yet over ``axis`` of ``jmesh``."""
+def shard_parameters(module, jmesh, axis="fsdp", maximal=False):
+    """Shard every parameter of ``module`` not sharded yet over ``axis`` of ``jmesh`` (its
+    largest dim with ``maximal``, else dim 0)."""
     for p in module.parameters():
         s = engine.sharding_of(p)
         if s is not None and any(e is not None for e in s.spec):
             continue
-        spec = parameter_spec(tuple(p.shape), axis)
+        spec = parameter_spec(tuple(p.shape), axis, maximal)
         engine.mark(p, engine.named_sharding(jmesh, spec, tuple(p.shape), "fsdp"), "fsdp")
 
 

@@ -33,6 +33,7 @@ from torch.utils import dlpack as _torch_dlpack
 
 from torchacc.lowering.dtypes import jdtype
 from torchacc.runtime import processes
+from torchacc.sharding import mesh
 
 _DL_CPU = 1
 _to_dlpack = _torch_dlpack.to_dlpack
@@ -116,7 +117,9 @@ def to_jax_cuda(t, device):
 
 
 def to_jax(t, device):
-    """``t`` (a torch tensor) as a JAX array on JAX ``device``."""
+    """``t`` (a torch tensor) as a JAX array on JAX ``device`` (or sharding)."""
+    if isinstance(device, jax.sharding.Sharding) and t.device.type == "cpu":
+        return jax.device_put(t.detach().contiguous().numpy(), device)  # SPMD: replicated
     if t.device.type == "cpu":
         if device.platform == "cpu":
             return to_jax_cpu(t)
@@ -146,3 +149,13 @@ def scalar_to_jax(value, dtype, device):
 def clear_cache():
     """Drop every cached zero-copy view (tests; or to release memory kept alive by views)."""
     _views.clear()
+
+
+def replicated():
+    """Where a program over torchacc-device tensors (SPMD) keeps its scalars and RNG key:
+    replicated over the engine mesh, the devices of every array of the program."""
+    return mesh.replicated()
+
+
+def same(x):
+    return x

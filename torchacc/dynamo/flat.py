@@ -48,7 +48,8 @@ class _FlatRunner:
     def build(cls, prog, world, n_state, n_grad, n_args):
         low = prog.lowered
         if (
-            not low._fast
+            low.on_device  # sharded state stays per tensor: Note [Flat step buffers]
+            or not low._fast
             or low.pieces[0].static
             or any(i >= n_state and i < n_state + n_grad for i in low._fast_dynamic)
         ):

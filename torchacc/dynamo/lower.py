@@ -39,6 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, collective
+from torchacc.engine import handoff
 from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
     _TRACED_ITEM,
@@ -181,6 +182,7 @@ class JaxPiece:
             for v in map(_val, seg.inputs)
         )
         self._exes = {}
+        self.out_like = None  # SPMD: per program output, the argument whose sharding it keeps
 
     def function(self, statics):
         seg, consts = self.seg, self.consts
@@ -218,6 +220,10 @@ class JaxPiece:
         start = time.perf_counter()
         if self.collective:
             exe = collective.compile(self.function(statics), key, *arrays)
+        elif self.out_like is not None:  # Note [Device tensors in a trace-once program]
+            outs = [None if j is None else arrays[j].sharding for j in self.out_like]
+            jitted = jax.jit(self.function(statics), out_shardings=outs)
+            exe = jitted.lower(key, *arrays).compile()
         else:
             exe = jax.jit(self.function(statics)).lower(key, *arrays).compile()
         metrics.record_time("DynamoCompileTime", time.perf_counter() - start)
@@ -237,6 +243,8 @@ class JaxPiece:
 
 def _to_jax(value, device):
     if isinstance(value, torch.Tensor):
+        if handoff.is_device_tensor(value):
+            return handoff.array_of(value)
         return bridge.to_jax(value, device)
     if isinstance(value, float):
         return jax.device_put(np.float64(value), device)
@@ -245,8 +253,11 @@ def _to_jax(value, device):
     return value
 
 
-def to_torch(value, cuda):
+def to_torch(value, cuda, dtype=None):
+    """``value`` (JAX arrays) as torch tensors; ``cuda == "device"``: torchacc's, of ``dtype``."""
     if isinstance(value, jax.Array):
+        if cuda == "device":
+            return handoff.tensor_of(value, dtype)
         return bridge.to_torch_cuda(value) if cuda else bridge.to_torch_cpu(value)
     if isinstance(value, (list, tuple)):
         return type(value)(to_torch(v, cuda) for v in value)
@@ -274,7 +285,13 @@ class Lowered:
         self.outs = list(outs) if self.out_tuple else [outs]
         self.torch_device = _graph_device(self.placeholders, graph)
         self.cuda = self.torch_device.type == "cuda"
-        self.device = bridge.jax_device_for(self.torch_device)
+        # torchacc-device tensors (SPMD): Note [Device tensors in a trace-once program]
+        self.on_device = self.torch_device.type == handoff.device_type[0]
+        if self.on_device:
+            self.device = bridge.replicated()
+            self.cuda = "device"
+        else:
+            self.device = bridge.jax_device_for(self.torch_device)
         consts = {}
         # compilers run under AOTAutograd's fake mode; constants are real tensors
         with torch._subclasses.fake_tensor.unset_fake_temporarily():
@@ -298,7 +315,8 @@ class Lowered:
         self.fallback_ops = [
             op_name(n.target) for s in segments if s.kind == "eager" for n in s.nodes
         ]
-        self._post = _output_fixups(self.outs, self.placeholders)
+        # (on the device, results are fresh contiguous tensors: nothing to fix, no op to record)
+        self._post = [] if self.on_device else _output_fixups(self.outs, self.placeholders)
         self._fast = len(self.pieces) == 1 and isinstance(self.pieces[0], JaxPiece)
         if self._fast:
             self._prepare_fast()
@@ -337,6 +355,21 @@ class Lowered:
                 plan.append(("value", o))
         self._plan = plan
         self._simple = plan == [("prog", i) for i in range(len(plan))] and not self._post
+        self._prog_dtypes = [_val(o).dtype for o in ordered]
+
+    def keep_shardings(self, pairs):
+        """SPMD: each ``(graph output, graph input)`` of ``pairs`` gives that output its input's
+        sharding (Note [Device tensors in a trace-once program] in engine/handoff.py)."""
+        if not (self.on_device and self._fast):
+            return
+        piece = self.pieces[0]
+        position = {ph: j for j, ph in enumerate(self._fast_dynamic)}
+        like = [None] * len(piece.seg.outputs)
+        for out, ph in pairs:
+            kind, x = self._plan[out]
+            if kind == "prog" and ph in position and like[x] is None:
+                like[x] = position[ph]
+        piece.out_like = like
 
     def __call__(self, *args):
         # boxed (one list, cleared) or, behind dynamo's disable() wrapper, unboxed arguments
@@ -353,13 +386,18 @@ class Lowered:
         arrays = [_to_jax(args[i], device) for i in self._fast_dynamic]
         if piece.dynamic:
             statics += tuple([a.shape for a in arrays])
+        if self.on_device:  # one executable per set of argument shardings
+            statics += tuple([a.sharding for a in arrays])
         key = piece.new_key()
         exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
         metrics.program_ran(exe)
-        if not self.cuda:
+        if self.on_device:
+            outs = list(map(handoff.tensor_of, outs, self._prog_dtypes))
+            conv = bridge.same
+        elif not self.cuda:
             jax.block_until_ready(outs)
             conv = bridge.to_torch_cpu
         else:
@@ -396,7 +434,7 @@ class Lowered:
         result = []
         for o in self.outs:
             v = env[o] if isinstance(o, fx.Node) else o
-            result.append(to_torch(v, self.cuda))
+            result.append(to_torch(v, self.cuda, getattr(_val(o), "dtype", None)))
         return self._fixup(result)
 
     def _run_piece(self, piece, env):
@@ -420,6 +458,8 @@ class Lowered:
         metrics.program_ran(exe)
         if not self.cuda:
             jax.block_until_ready(outs)
+        if self.on_device:
+            outs = [handoff.tensor_of(o, _val(n).dtype) for n, o in zip(piece.seg.outputs, outs)]
         for n, o in zip(piece.seg.outputs, outs):
             env[n] = o
 
@@ -457,7 +497,9 @@ def _graph_device(placeholders, graph):
     for n in list(placeholders) + list(graph.nodes):
         v = _val(n)
         for t in _meta_list(v):
-            if isinstance(t, torch.Tensor) and t.device.type == "cuda":
+            if isinstance(t, torch.Tensor) and (
+                t.device.type == "cuda" or handoff.is_device_tensor(t)
+            ):
                 return t.device
     return torch.device("cpu")
 

@@ -50,6 +50,7 @@ from torchacc import metrics
 from torchacc.dynamo import lower, scaler
 from torchacc.dynamo.aot import decompositions
 from torchacc.dynamo.flat import _FlatRunner
+from torchacc.engine import handoff
 
 
 def compile_step(fn=None, *, models=None, optimizers=None, scalers=None, eager_steps=1):
@@ -72,6 +73,8 @@ def _discover(fn, leaves, models, optimizers, scalers):
     code = getattr(fn, "__code__", None)
     if getattr(fn, "__closure__", None):
         found.extend(c.cell_contents for c in fn.__closure__ if _cell_ok(c))
+    found.extend(getattr(fn, "__defaults__", None) or ())  # def step(x, model=model)
+    found.extend((getattr(fn, "__kwdefaults__", None) or {}).values())
     if code is not None:
         g = getattr(fn, "__globals__", {})
         found.extend(g[n] for n in code.co_names if n in g)
@@ -266,6 +269,7 @@ class CompiledStep:
             leaves, spec = pytree.tree_flatten((args, kwargs))
         if self._world is None:
             found = _discover(self.fn, leaves, self._models, self._optimizers, self._scalers)
+            _state_onto_device(found[1])
             self._world = _World(*found)
         world = self._world
         grads = list(map(_GRAD, world.params))
@@ -404,6 +408,12 @@ class _StepProgram:
         self.n_user = sum(is_tensor)
         self.single_output = out_spec.is_leaf() and is_tensor == [True]
         self.grad_out = [k for k, h in enumerate(has_grad) if h]
+        # SPMD: state keeps its sharding, a gradient takes its parameter's (Note [Device
+        # tensors in a trace-once program] in torchacc/engine/handoff.py)
+        self.lowered.keep_shardings(
+            [(pos, i) for i, pos in self.mutated]
+            + [(self.n_user + j, world.param_index[k]) for j, k in enumerate(self.grad_out)]
+        )
         self.flat = _FlatRunner.build(self, world, n_state, n_grad, n_args)
 
     def run(self, world, leaves, grads):
@@ -433,13 +443,36 @@ class _StepProgram:
             if k not in has and params[k].grad is not None:
                 params[k].grad = None
         tensors = world.tensors
+        write = _rebind if self.lowered.on_device else _copy
         with torch.no_grad():
             for i, pos in self.mutated:
                 if i < len(tensors):
-                    tensors[i].copy_(outs[pos])
+                    write(tensors[i], outs[pos])
             for j, pos in self.arg_mutations:  # the step wrote into one of its arguments
-                leaves[self.arg_pos[j]].copy_(outs[pos])
+                write(leaves[self.arg_pos[j]], outs[pos])
         return outs[:n_user]
+
+
+def _state_onto_device(opts):
+    """Optimizer state kept on the CPU (AdamW's ``step`` counters) of parameters on the torchacc
+    device moves there: the traced step updates it on the device (``capturable``), and writing
+    a result back into a CPU tensor would read it back every step."""
+    for o in opts:
+        for p, entry in o.state.items():
+            if not handoff.is_device_tensor(p):
+                continue
+            for k, v in entry.items():
+                if isinstance(v, torch.Tensor) and v.device.type == "cpu":
+                    entry[k] = v.to(p.device)
+
+
+def _copy(t, new):
+    t.copy_(new)
+
+
+def _rebind(t, new):
+    """A torchacc-device tensor takes the program's result as its data (no recorded copy)."""
+    handoff.rebind(t, handoff.array_of(new))
 
 
 @functools.lru_cache(maxsize=None)

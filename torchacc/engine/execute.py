@@ -132,7 +132,11 @@ def _launch(exe, args, outputs, plan, n_ops):
     metrics.counter_inc("RecordedOps", n_ops)
     start = time.perf_counter()
     results = exe(*args)
-    metrics.record_time("ExecuteTime", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    metrics.record_time("ExecuteTime", seconds)
+    if mesh.is_spmd():  # torch_xla's names for a program over every device
+        metrics.record_time("ExecuteReplicatedTime", seconds)
+        metrics.counter_inc("ExecuteReplicated")
     metrics.program_ran(exe)  # Note [Step FLOPs]
     pack.bind(results, outputs, plan.out_codes, plan.out_packs, plan.out_order)
     packs, loose = plan.packs, plan.loose

@@ -99,3 +99,11 @@ def read(array, dtype):
     else:
         out = torch.from_numpy(host)
     return out if out.dtype == dtype else out.to(dtype)
+
+
+def device_array_on(host, device):
+    """The contiguous CPU tensor ``host`` on one JAX ``device`` in its stored dtype (a shard)."""
+    dtype = host.dtype
+    stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
+    data = host if stored is dtype else host.to(stored)
+    return jax.device_put(np.array(_numpy_of(data), copy=True), device)

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
-from torchacc.engine import execute
+from torchacc.engine import execute, handoff
 from torchacc.engine.transfer import upload
-from torchacc.ir import contiguous_desc
+from torchacc.ir import Value, contiguous_desc
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.host_eval import host_value
 from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
@@ -15,7 +18,20 @@ from torchacc.lazy.tensor import LazyTensor
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    return fresh(upload(host.detach().contiguous()))
+    value = upload(host.detach().contiguous())
+    _uploads[id(value.buf)] = value.buf
+    return fresh(value)
+
+
+# the arrays of uploads, while they live: torch_xla gives data moved to the device and never
+# marked no sharding spec at all ('' rather than '{replicated}', torch_xla/_XLAC.py)
+_uploads = weakref.WeakValueDictionary()
+
+
+def is_upload(t):
+    """Whether LazyTensor ``t`` holds the data a ``.to(device)`` uploaded, unchanged."""
+    value = value_of(t)
+    return value.node is None and _uploads.get(id(value.buf)) is value.buf
 
 
 def to_cpu(t):
@@ -59,3 +75,30 @@ def deepcopy(t, memo):
         new = torch.nn.Parameter(new, t.requires_grad)
     memo[id(t)] = new
     return new
+
+
+# --- the trace-once frontend's program boundary (Note [Device tensors in a trace-once program]) --
+
+
+def _array_of(t):
+    value = value_of(t)
+    if value.node is not None:
+        execute.run([value], donate=False)
+    return value.array
+
+
+def _tensor_of(array, dtype):
+    return fresh(Value(contiguous_desc(tuple(array.shape), dtype), array=array))
+
+
+def _rebind(t, array):
+    st = t._st
+    if t._view is not None or st.desc is not t._desc and st.desc != t._desc:
+        with torch.no_grad():  # not a whole base tensor: an ordinary (recorded) write
+            t.copy_(_tensor_of(array, t.dtype))
+        return
+    st.value = Value(st.desc, array=array)  # (a Value's array has its logical shape)
+    st.version += 1
+
+
+handoff.register(DEVICE_TYPE, _array_of, _tensor_of, _rebind)

@@ -6,6 +6,9 @@ seed and epoch, padded by wrapping around so every shard has as many samples). I
 modes one process feeds every device of the job one global batch; ``global_batches(batch_size)``
 yields its indices: device ``d``'s slice of the batch (dimension 0 split into ``num_shards``
 equal parts, the layout ``parallelize`` gives a model's inputs) holds shard ``d``'s samples.
+``state_dict()`` / ``load_state_dict()`` save and restore the position in the epoch as a global
+sample count, so a resumed run, on this or another number of shards, continues the same order
+(Note [Data positions] in torchacc/distributed/data_state.py).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
+
+from torchacc.distributed.data_state import STATE_VERSION, check_state, epoch_order, resplit
 
 
 class DistributedSampler(torch.utils.data.Sampler):
@@ -40,29 +45,52 @@ class DistributedSampler(torch.utils.data.Sampler):
         else:
             self.num_samples = math.ceil(n / num_shards)
         self.total_size = self.num_samples * num_shards
+        self.consumed = 0  # global samples taken from this epoch's order
+        self._resume = None  # (epoch, consumed) from load_state_dict, for the next pass
 
     def set_epoch(self, epoch):
         """A new permutation per epoch (the same on every shard)."""
         self.epoch = epoch
 
-    def _all_indices(self):
-        n = len(self.dataset)
-        if self.shuffle:
-            gen = torch.Generator()
-            gen.manual_seed(self.seed + self.epoch)
-            order = torch.randperm(n, generator=gen).tolist()
-        else:
-            order = list(range(n))
-        if self.total_size > n:  # pad by repeating from the start
-            order += (order * math.ceil((self.total_size - n) / max(n, 1)))[: self.total_size - n]
-        return order[: self.total_size]
+    def _start(self):
+        """Where this epoch's next pass starts: a loaded position (once), else 0."""
+        start = 0
+        if self._resume is not None and self._resume[0] == self.epoch:
+            start = self._resume[1]
+        self._resume = None
+        self.consumed = start
+        return start
 
-    def shard(self, shard_id):
-        """Shard ``shard_id``'s indices for this epoch."""
-        return self._all_indices()[shard_id : self.total_size : self.num_shards]
+    def shard(self, shard_id, start=0):
+        """Shard ``shard_id``'s indices for this epoch after ``start`` global samples."""
+        order = epoch_order(len(self.dataset), self.seed, self.epoch, self.shuffle)
+        return resplit(order, start, self.num_shards, shard_id, self.drop_remainder)
 
     def __iter__(self):
-        return iter(self.shard(self.shard_id))
+        for i in self.shard(self.shard_id, self._start()):
+            self.consumed += self.num_shards
+            yield i
+
+    def _fields(self):
+        return {"dataset_len": len(self.dataset), "seed": self.seed, "shuffle": self.shuffle}
+
+    def state_dict(self):
+        """The epoch and the global count of samples taken so far in it."""
+        epoch, consumed = self._resume or (self.epoch, self.consumed)
+        return {
+            "kind": "DistributedSampler",
+            "version": STATE_VERSION,
+            "epoch": epoch,
+            "consumed": consumed,
+            **self._fields(),
+        }
+
+    def load_state_dict(self, state, source=None):
+        """Continue at ``state``'s position: the next pass over its epoch starts there (a
+        :class:`~torchacc.distributed.data_state.DataStateError` if it is another dataset's)."""
+        check_state(state, "DistributedSampler", self._fields(), source)
+        self.epoch = state["epoch"]
+        self._resume = (state["epoch"], state["consumed"])
 
     def __len__(self):
         return self.num_samples
@@ -76,6 +104,8 @@ class DistributedSampler(torch.utils.data.Sampler):
                 f"into {self.num_shards} shards"
             )
         per = batch_size // self.num_shards
-        shards = [self.shard(s) for s in range(self.num_shards)]
-        for start in range(0, self.num_samples - per + 1, per):
+        begin = self._start()
+        shards = [self.shard(s, begin) for s in range(self.num_shards)]
+        for start in range(0, len(shards[0]) - per + 1, per):
+            self.consumed += batch_size
             yield [i for s in shards for i in s[start : start + per]]

@@ -92,8 +92,18 @@ def resolve(name: str) -> ModelSpec:
     )
 
 
+def _gallery(family):
+    try:
+        return importlib.import_module(f"gallery.{family}.model")
+    except ImportError as e:
+        raise PlanError(
+            f"the gallery's {family} model is not importable ({e}); run from the torchacc "
+            "repository or put it on PYTHONPATH (gallery/ is not part of the installed package)"
+        ) from e
+
+
 def _llama(name, shape):
-    from gallery.llama import model as lm
+    lm = _gallery("llama")
 
     if shape is None:
         cfg = lm.CONFIGS[name]
@@ -115,7 +125,7 @@ def _llama(name, shape):
 
 
 def _gpt(name, overrides):
-    from gallery.gpt import model as gm
+    gm = _gallery("gpt")
 
     cfg = gm.CONFIGS["gpt2"] if overrides else gm.CONFIGS[name]
     if overrides:
@@ -132,7 +142,7 @@ def _gpt(name, overrides):
 
 
 def _resnet(name):
-    from gallery.resnet50 import model as rm
+    rm = _gallery("resnet50")
 
     def build(n_layer=None, scan_layers=False):
         return rm.build(name)

@@ -187,10 +187,13 @@ def mark(t, sharding, call="mark_sharding"):
     tensor's array is resharded now; a pending tensor gets a sharding constraint in its step."""
     from torchacc.lazy import mutation
     from torchacc.lazy.record import record_values, value_of
+    from torchacc.lazy.tensor import LazyTensor
     from torchacc.sharding import rules
 
     _check_device(t, call)
     runtime_mesh.adopt_mesh(sharding.mesh)
+    if not isinstance(t, LazyTensor):  # traced by torchacc.compile: a constraint in its graph
+        return _constrain_traced(t, rules.name_sharding(sharding), rules.shard_op)
     value = value_of(t)
     if t._view is None and value.node is None and value.buf is not None:
         # a known step's launch is keyed on its inputs' shardings too (sharding/layout.py):
@@ -201,6 +204,34 @@ def mark(t, sharding, call="mark_sharding"):
         constrained = record_values(rules.shard_op, (t, name), {})[0][0]
         mutation.assign(t, constrained)
     t._torchacc_sharding = sharding
+    return t
+
+
+class _Constrain(torch.autograd.Function):
+    """``torchacc::shard`` with an identity gradient, for a step traced by the trace-once
+    frontend (Note [Device tensors in a trace-once program] in torchacc/engine/handoff.py)."""
+
+    @staticmethod
+    def forward(ctx, x, name, op):
+        return op(x, name)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None, None
+
+
+def _constrain_traced(t, name, op):
+    """Mark a tensor of a step being traced (a fake tensor): it becomes its constrained value
+    in place, so the rest of the step reads the constraint (a leaf that needs a gradient, a
+    parameter, already enters the program with its sharding: nothing to record)."""
+    if t.is_leaf and t.requires_grad:
+        return t
+    constrained = _Constrain.apply(t, name, op)
+    if t.requires_grad:
+        t.copy_(constrained)
+    else:
+        with torch.no_grad():
+            t.copy_(constrained)
     return t
 
 
@@ -248,7 +279,14 @@ def sharding_of(t):
     value = value_of(t)
     if value.node is None and isinstance(value.buf, jax.Array):
         return value.buf.sharding
-    return getattr(t, "_torchacc_sharding", None)
+    mark = getattr(t, "_torchacc_sharding", None)
+    if mark is None and value.node is not None:  # pending: a constraint it holds (say a .grad
+        from torchacc.sharding import rules  # the autograd engine detached)
+
+        args = value.node.op.args
+        if value.node.op.rule.fn is rules.shard and len(args) == 2:
+            return rules.SHARDINGS.get(args[1])
+    return mark
 
 
 def hlo_text(sharding, ndim):

@@ -99,7 +99,9 @@ def plan(graph, outputs, starts):
         start = None if starts is None else starts[i]
         logical = tuple(v.desc[0])
         a = None if start is None else start.buf
-        if getattr(a, "sharding", None) is None or tuple(start.desc[0]) != logical:
+        if start is None and _constrained(v):  # marked in the step: its constraint decides
+            a = None
+        elif getattr(a, "sharding", None) is None or tuple(start.desc[0]) != logical:
             a = like.get((logical, v.desc[2])) if start is None else None
         if a is None:
             outs.append(None)
@@ -108,6 +110,14 @@ def plan(graph, outputs, starts):
             outs.append(a.sharding)
             out_pads.append(tuple(a.shape) if tuple(a.shape) != logical else None)
     return ins, tuple(outs), in_pads, tuple(out_pads)
+
+
+def _constrained(v):
+    """Whether pending Value ``v`` is a ``mark_sharding`` constraint (``torchacc::shard``)."""
+    from torchacc.sharding import rules
+
+    node = v.node
+    return node is not None and node.op.rule.fn is rules.shard
 
 
 def unpadded(program, graph, in_pads, out_pads):

@@ -459,15 +459,90 @@ XlaShardingSpec = not_implemented_class("torch_xla._XLAC.XlaShardingSpec", _NO_S
 # --- SPMD ----------------------------------------------------------------------------------------
 
 
+def _ensure_xla_coordinator_initialized(global_rank, world_size, master_addr, master_port=None):
+    """torch_xla starts its distributed runtime's coordinator here; torchacc's process joins the
+    JAX multi-process runtime from torchrun's environment when it starts (torchacc/runtime/
+    processes.py), so this only checks that the job it joined is the one described."""
+    from torchacc.runtime import processes
+
+    processes.maybe_initialize()
+    have = processes.world_size() if processes.is_initialized() else 1
+    if int(world_size) != have:
+        raise RuntimeError(
+            f"_ensure_xla_coordinator_initialized(world_size={world_size}): this process runs in "
+            f"a job of {have} process(es); launch it with torchrun --nproc_per_node {world_size}"
+        )
+
+
+def _is_xla_coordinator_initialized():
+    return True
+
+
 def _get_xla_sharding_spec(tensor):
     """``tensor``'s sharding in torch_xla's text form (``{devices=[2,1,2]0,2,1,3
-    last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none."""
+    last_tile_dim_replicate}``, ``{replicated}``); ``""`` when it has none (uploaded data that no
+    ``mark_sharding`` laid out, as torch_xla says; a program's replicated result is
+    ``{replicated}``)."""
     from torchacc.sharding import api as sharding
 
     t = getattr(tensor, "global_tensor", tensor)
     if not sharding.is_spmd():
         return ""
-    return sharding.hlo_text(sharding.sharding_of(t), t.dim())
+    text = sharding.hlo_text(sharding.sharding_of(t), t.dim())
+    mark = getattr(t, "_torchacc_sharding", False)  # False: never marked, None: cleared
+    if text == "{replicated}" and not mark:
+        from torchacc.lazy.transfer import is_upload
+
+        if mark is None or is_upload(t):  # cleared, or uploaded and never marked
+            return ""
+    return text
+
+
+def _global_tensor_from_cpu_shards(shards, op_sharding, global_shape=None):
+    """A device tensor laid out as ``op_sharding`` (``Mesh.get_op_sharding``) from one CPU shard
+    per device of this process, in device-ordinal order: every shard has the shape of a (padded)
+    tile; ``global_shape`` (default: the tiles put together) may leave padding off the end of a
+    dimension (Note [Padded shards]). Any other shape, or a wrong number of shards, is a
+    ``RuntimeError`` naming it."""
+    import jax
+
+    from torchacc.engine.transfer import device_array_on
+    from torchacc.ir import Value, contiguous_desc
+    from torchacc.lazy.record import fresh
+    from torchacc.sharding import api as engine
+
+    named = getattr(op_sharding, "named_sharding", None)
+    if not isinstance(named, jax.sharding.NamedSharding):
+        raise TypeError(
+            "_global_tensor_from_cpu_shards: op_sharding must come from xs.Mesh.get_op_sharding, "
+            f"got {type(op_sharding).__name__}"
+        )
+    devices = sorted(named.addressable_devices, key=engine.ordinal)
+    shards = list(shards)
+    call = "_global_tensor_from_cpu_shards"
+    if len(shards) != len(devices):
+        raise RuntimeError(f"{call}: {len(shards)} shards for the {len(devices)} devices here")
+    shape = tuple(shards[0].shape)
+    if any(tuple(x.shape) != shape or x.dtype != shards[0].dtype for x in shards):
+        raise RuntimeError(
+            f"{call}: shards differ in shape or dtype: {[tuple(x.shape) for x in shards]}"
+        )
+    if all(e is None for e in named.spec):  # replicated: any rank
+        named = jax.sharding.NamedSharding(named.mesh, jax.sharding.PartitionSpec())
+    elif len(named.spec) != len(shape):
+        raise RuntimeError(f"{call}: shards of rank {len(shape)} for a sharding of {named.spec}")
+    tiles = named.shard_shape(tuple(len(devices) * n for n in shape))  # per-dim split counts
+    parts = [len(devices) * n // t for n, t in zip(shape, tiles)]
+    padded = tuple(n * k for n, k in zip(shape, parts))
+    logical = padded if global_shape is None else tuple(global_shape)
+    if len(logical) != len(shape) or any(-(-g // k) != n for g, k, n in zip(logical, parts, shape)):
+        raise RuntimeError(
+            f"{call}: global shape {logical} does not fit {len(shards)} shards of shape {shape} "
+            f"split {parts} ways (padded global shape {padded})"
+        )
+    arrays = [device_array_on(x.contiguous(), d) for x, d in zip(shards, devices)]
+    array = jax.make_array_from_single_device_arrays(padded, named, arrays)
+    return fresh(Value(contiguous_desc(logical, shards[0].dtype), array=array))
 
 
 def _get_xla_sharding_type(tensor):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torchacc
 from torchacc.sharding import api as _sharding
 from torchacc.torch_xla._api import differs
@@ -142,8 +144,10 @@ def set_device_type(pjrt_device):
 
 
 def is_spmd():
-    """Whether SPMD mode is on (``use_spmd()`` or ``XLA_USE_SPMD=1``)."""
-    return _sharding.is_spmd()
+    """Whether SPMD mode is on (``use_spmd()`` or ``XLA_USE_SPMD=1``). Like torch_xla, it reads
+    ``XLA_USE_SPMD`` (which ``use_spmd()`` sets): a script that deletes it is told SPMD is off,
+    and ``use_spmd()`` sets it again."""
+    return _sharding.is_spmd() and os.environ.get("XLA_USE_SPMD", "") not in ("", "0")
 
 
 def use_spmd(auto=False):

@@ -58,6 +58,23 @@ def to_device(inputs, device, **kwargs):
     return inputs.to(device, **kwargs)
 
 
+def rendezvous_kwargs() -> dict:
+    """``init_process_group`` keywords for torchrun's environment. A worker restarted by torchrun
+    (``--max_restarts``) gets its keys in the store under a prefix of its attempt: the static
+    rendezvous keeps the agent's store across restarts, and a restarted process group read the
+    dead attempt's gloo addresses from it and hung connecting to them (seen on this box)."""
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or "0"
+    if attempt == "0":
+        return {"init_method": "env://"}
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world))
+    return {
+        "store": dist.PrefixStore(f"torchacc/attempt{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
+
+
 class FrontDoor:
     """The hooks of Note [Front door hooks], with the eager defaults."""
 
@@ -154,11 +171,11 @@ class FrontDoor:
         if self.cuda:
             device = self.device = torch.device("cuda", self.local_rank)
             torch.cuda.set_device(device)
-            dist.init_process_group(backend="nccl", init_method="env://", device_id=device)
+            dist.init_process_group(backend="nccl", device_id=device, **rendezvous_kwargs())
             set_peak_memory_fn(lambda: torch.cuda.max_memory_allocated(device), "cuda")
         else:
             self.device = torch.device("cpu")
-            dist.init_process_group(backend="gloo", init_method="env://")
+            dist.init_process_group(backend="gloo", **rendezvous_kwargs())
             reset_peak_memory_fn()
         dist.barrier()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()

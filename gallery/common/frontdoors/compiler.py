@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch.distributed as dist
 
-from gallery.common.frontdoors.base import FrontDoor, to_device
+from gallery.common.frontdoors.base import FrontDoor, rendezvous_kwargs, to_device
 
 __all__ = ["Compiler", "xla_peak_memory_fn"]
 
@@ -53,7 +53,7 @@ class Compiler(FrontDoor):
         from gallery.common.logger import reset_peak_memory_fn, set_peak_memory_fn
 
         xm = self.xm
-        dist.init_process_group(backend="xla", init_method="env://")
+        dist.init_process_group(backend="xla", **rendezvous_kwargs())
         device = self.device = xm.xla_device()
         xm.set_replication(device, [device])
         self.rank, self.world_size = xm.get_ordinal(), xm.xrt_world_size()

@@ -206,6 +206,8 @@ def _shard_batch(batch, input_sharding):
     for tensor in _tensors(batch):
         if input_sharding.can_apply(tensor):
             input_sharding.apply(tensor)
+        else:  # the loader lays it out replicated
+            input_sharding.replicate(tensor)
 
 
 def _tensors(tree):

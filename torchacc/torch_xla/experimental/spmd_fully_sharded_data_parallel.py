@@ -1,9 +1,10 @@
 """``torch_xla.experimental.spmd_fully_sharded_data_parallel`` (FSDPv2) on torchacc.
 
 ``SpmdFullyShardedDataParallel(module, mesh, shard_output=None, auto_wrap_policy=None,
-auto_wrapper_callable=None, extra_data_axis=None)`` shards every parameter over the mesh's
-``fsdp`` axis (``torchacc.distributed.fsdp``) and constrains the forward's output to be split
-by batch; XLA's partitioner gathers parameters per layer and reduce-scatters their gradients.
+auto_wrapper_callable=None, extra_data_axis=None)`` moves ``module`` to the device and shards
+every parameter's largest dimension over the mesh's ``fsdp`` axis (``torchacc.distributed.fsdp``)
+and constrains the forward's output to be split by batch; XLA's partitioner gathers parameters
+per layer and reduce-scatters their gradients.
 """
 
 from __future__ import annotations
@@ -12,13 +13,14 @@ import torch
 from torch import nn
 
 from torchacc.distributed import fsdp
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla.distributed.spmd import xla_sharding as xs
 
 
 def _prepare_spmd_partition_spec(param, extra_data_axis=None, shard_maximal=False):
-    spec = [None] * param.dim()
-    if spec:
-        spec[0] = "fsdp" if extra_data_axis is None else (extra_data_axis, "fsdp")
+    spec = list(fsdp.parameter_spec(tuple(param.shape), "fsdp", shard_maximal))
+    if extra_data_axis is not None:
+        spec = [(extra_data_axis, e) if e is not None else None for e in spec]
     return tuple(spec)
 
 
@@ -67,8 +69,8 @@ class SpmdFullyShardedDataParallel(nn.Module):
             )
         if extra_data_axis is not None and extra_data_axis not in mesh.axis_names:
             raise ValueError(
-                f"SpmdFullyShardedDataParallel: extra_data_axis {extra_data_axis!r} is not an "
-                f"axis of the mesh {mesh.axis_names}"
+                f"SpmdFullyShardedDataParallel: extra_data_axis={extra_data_axis!r}: The provided "
+                f"{extra_data_axis} axis is not in the mesh (axes {mesh.axis_names})"
             )
         super().__init__()
         if auto_wrap_policy is not None:
@@ -78,10 +80,13 @@ class SpmdFullyShardedDataParallel(nn.Module):
             self._wrap_children(
                 module, auto_wrap_policy, wrapper, mesh, shard_output, extra_data_axis
             )
+        # a module still on the CPU moves to the device first, as torch_xla does
+        module = module.to(torch.device(DEVICE_TYPE, 0))
         self._orig_module = module
         self._mesh = mesh
         self._extra_data_axis = extra_data_axis
-        fsdp.shard_parameters(module, mesh.get_jax_mesh())
+        # each parameter's largest dim over 'fsdp' (torch_xla's shard_maximal=True)
+        fsdp.shard_parameters(module, mesh.get_jax_mesh(), maximal=True)
         self._shard_output = shard_output or (
             lambda out, m: _default_shard_output(out, m, extra_data_axis)
         )

@@ -16,6 +16,7 @@ import enum
 import numpy as np
 import torch
 
+from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding import api as engine
 from torchacc.torch_xla._api import differs, not_implemented
 
@@ -35,6 +36,20 @@ def _one_per_process():
     return xr.world_size()
 
 
+class OpSharding:
+    """A partition spec over a mesh, as ``Mesh.get_op_sharding`` returns it."""
+
+    def __init__(self, named_sharding):
+        self.named_sharding = named_sharding
+
+    def __repr__(self):
+        return f"OpSharding({self.named_sharding})"
+
+
+class MeshError(ValueError, AssertionError):
+    """A bad mesh: a ``ValueError`` naming the problem (torch_xla raises ``AssertionError``)."""
+
+
 class Mesh:
     """A logical mesh of the job's devices: global ordinals ``device_ids`` reshaped to
     ``mesh_shape`` (C order), with optional ``axis_names``. It must hold every device once."""
@@ -43,30 +58,37 @@ class Mesh:
         device_ids = np.asarray(device_ids).reshape(-1)
         mesh_shape = tuple(int(d) for d in mesh_shape)
         count = _device_count()
-        if int(np.prod(mesh_shape)) != len(device_ids):
-            raise ValueError(
-                f"Mesh: mesh_shape {mesh_shape} holds {int(np.prod(mesh_shape))} devices, "
-                f"not the {len(device_ids)} device ids given"
-            )
-        if len(device_ids) != count:
-            raise ValueError(
-                f"Mesh: {len(device_ids)} device ids {device_ids.tolist()} for mesh_shape "
-                f"{mesh_shape}, but the job has {count} device(s)"
-                + ("" if engine.is_spmd() else " (one per process: SPMD mode is off)")
-            )
-        if len(np.unique(device_ids)) != len(device_ids):
-            raise ValueError(f"Mesh: repeated device ids in {device_ids.tolist()}")
-        if any(not 0 <= int(d) < count for d in device_ids):
-            raise ValueError(f"Mesh: device ids must be 0..{count - 1}, got {device_ids.tolist()}")
+        size = int(np.prod(mesh_shape))
         if axis_names is not None:
             axis_names = tuple(axis_names)
             if len(axis_names) != len(mesh_shape):
-                raise ValueError(
-                    f"Mesh: {len(axis_names)} axis names {axis_names} for a "
-                    f"{len(mesh_shape)}-d mesh_shape {mesh_shape}"
+                raise MeshError(
+                    f"Mesh: Number of axis names {axis_names} ({len(axis_names)}) must match "
+                    f"mesh dimensions: mesh_shape {mesh_shape} has {len(mesh_shape)}"
                 )
             if len(set(axis_names)) != len(axis_names):
-                raise ValueError(f"Mesh: axis names must be unique, got {axis_names}")
+                raise MeshError(f"Mesh: Axis names must be unique, got {axis_names}")
+        if size != len(device_ids):
+            raise MeshError(
+                f"Mesh: Number of device IDs ({len(device_ids)}) must match mesh size: "
+                f"mesh_shape {mesh_shape} holds {size} devices"
+            )
+        if len(device_ids) != count:
+            raise MeshError(
+                f"Mesh: {len(device_ids)} device ids {device_ids.tolist()} for mesh_shape "
+                f"{mesh_shape}: Number of device IDs ({len(device_ids)}) must match the global "
+                f"number of devices, and the job has {count} device(s)"
+                + ("" if engine.is_spmd() else " (one per process: SPMD mode is off)")
+            )
+        if len(np.unique(device_ids)) != len(device_ids):
+            raise MeshError(
+                f"Mesh: Device IDs must be unique: repeated device ids in {device_ids.tolist()}"
+            )
+        if any(not 0 <= int(d) < count for d in device_ids):
+            raise MeshError(
+                f"Mesh: Device IDs must be less than mesh size ({count}) and not negative, got "
+                f"{device_ids.tolist()}"
+            )
         self.device_ids = device_ids
         self.mesh_shape = mesh_shape
         self.axis_names = axis_names
@@ -117,10 +139,10 @@ class Mesh:
             raise ValueError(f"{e} (xs.Mesh {self})") from None
 
     def get_op_sharding(self, partition_spec):
-        raise NotImplementedError(
-            "Mesh.get_op_sharding: XLA OpSharding objects belong to torch_xla's C++ runtime; "
-            "torchacc describes shardings as JAX NamedShardings (Mesh.named_sharding)"
-        )
+        """torch_xla's OpSharding of ``partition_spec`` over this mesh: here an object holding
+        the JAX ``NamedSharding`` (what ``_XLAC._global_tensor_from_cpu_shards`` takes)."""
+        spec = tuple(partition_spec)
+        return OpSharding(self.named_sharding(spec, (1,) * len(spec), "get_op_sharding"))
 
     def __str__(self):
         return (
@@ -216,8 +238,9 @@ class ShardingType(enum.IntEnum):
 
 
 class XLAShard:
-    """One device's shard: ``data`` (a CPU copy), ``indices`` (slices into the global tensor, or
-    ``Ellipsis`` for a replicated tensor), ``replica_id`` and the device's ordinal."""
+    """One device's shard: ``data`` (a CPU copy), ``indices`` (a list of one ``slice`` per
+    dimension into the global tensor, or ``Ellipsis`` for a replicated tensor), ``replica_id``
+    and the device's ordinal."""
 
     def __init__(self, data, indices, replica_id, ordinal):
         self.data = data
@@ -235,27 +258,76 @@ class XLAShard:
 
 class XLAShardedTensor(torch.Tensor):
     """What ``mark_sharding`` returns: the annotated tensor (``global_tensor``) and its shards.
-    Used as a tensor it is its global tensor."""
+    Used as a tensor it is its global tensor; a wrapper of a tensor that needs a gradient is
+    differentiable (its gradient flows to ``global_tensor``); ``requires_grad=True`` makes a
+    leaf."""
 
     @staticmethod
-    def __new__(cls, global_tensor, *args, **kwargs):
+    def __new__(cls, global_tensor, *args, requires_grad=None, **kwargs):
+        if requires_grad is None and global_tensor.requires_grad and torch.is_grad_enabled():
+            r = _Wrap.apply(global_tensor)
+            r.mesh_shape, r.partition_spec = kwargs.get("mesh_shape"), kwargs.get("partition_spec")
+            return r
         r = torch.Tensor._make_wrapper_subclass(
             cls,
             global_tensor.size(),
             strides=global_tensor.stride(),
             dtype=global_tensor.dtype,
             device=global_tensor.device,
-            requires_grad=global_tensor.requires_grad,
+            requires_grad=bool(requires_grad),
         )
         r.global_tensor = global_tensor
+        r.mesh_shape, r.partition_spec = kwargs.get("mesh_shape"), kwargs.get("partition_spec")
         return r
+
+    _cached_spec = None
+
+    @property
+    def _spec(self):
+        """torch's ``DTensorSpec`` of this tensor (an ``xla`` DeviceMesh, its placements and
+        tensor meta), from ``mesh_shape``/``partition_spec`` when given, else from its
+        sharding; cached until ``invalidate_spec_cache()``."""
+        if self._cached_spec is None:
+            self._cached_spec = _dtensor_spec(self)
+        return self._cached_spec
+
+    def invalidate_spec_cache(self):
+        self._cached_spec = None
+
+    def redistribute(self, device_mesh=None, placements=None, **kwargs):
+        """A new sharded tensor with this one's values laid out by DTensor ``placements`` over
+        ``device_mesh`` (an ``xs.Mesh`` or an ``xla`` DeviceMesh; default: this one's)."""
+        from torch.distributed.tensor.placement_types import Replicate
+
+        mesh = _as_mesh(device_mesh) if device_mesh is not None else None
+        mesh = _mesh_or_global(mesh, "XLAShardedTensor.redistribute")
+        rank = len(mesh.mesh_shape)
+        placements = list(placements) if placements is not None else [Replicate()] * rank
+        if len(placements) != rank:
+            raise ValueError(
+                f"XLAShardedTensor.redistribute: {len(placements)} placements {placements} for a "
+                f"{rank}-d mesh of shape {mesh.mesh_shape}"
+            )
+        spec = _placement_spec(placements, self.dim(), "XLAShardedTensor.redistribute")
+        out = mark_sharding(self.global_tensor.clone(), mesh, spec)
+        out.mesh_shape, out.partition_spec = mesh.mesh_shape, spec
+        return out
+
+    @property
+    def placements(self):
+        return self._spec.placements
+
+    @property
+    def device_mesh(self):
+        return self._spec.mesh
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         import torch.utils._pytree as pytree
 
         unwrap = lambda x: x.global_tensor if isinstance(x, XLAShardedTensor) else x
-        return func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        out = func(*pytree.tree_map(unwrap, args), **pytree.tree_map(unwrap, kwargs or {}))
+        return pytree.tree_map(_wrap_result, out)
 
     @property
     def sharding_spec(self):
@@ -270,18 +342,92 @@ class XLAShardedTensor(torch.Tensor):
 
     @property
     def local_shards(self):
-        shards = []
         replicated = self.sharding_type == ShardingType.REPLICATED
-        for data, index, replica, ordinal in engine.local_shards(self.global_tensor):
-            shards.append(XLAShard(data, Ellipsis if replicated else index, replica, ordinal))
+        local = engine.local_shards(self.global_tensor)
+        if replicated:
+            return [XLAShard(d, Ellipsis, r, o) for d, _, r, o in local]
+        # (a shard past a dimension's end holds only its part, unpadded, unlike torch_xla's
+        # zero-padded one: Note [Padded shards])
+        shards = []
+        for data, index, replica, ordinal in local:
+            slices = [slice(i.start, i.stop, 1) for i in index]
+            shards.append(XLAShard(data, slices, replica, ordinal))
         return shards
 
     def __repr__(self):
         return f"XLAShardedTensor({self.global_tensor!r}, sharding={self.sharding_spec})"
 
 
-def wrap_as_sharded_tensor(t):
-    return t if isinstance(t, XLAShardedTensor) else XLAShardedTensor(t)
+def _dtensor_spec(t):
+    from torch.distributed.tensor import DeviceMesh
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    if t.mesh_shape is not None and t.partition_spec is not None:
+        shape = tuple(t.mesh_shape)
+        ids = list(range(int(np.prod(shape))))
+        spec = [
+            (e if isinstance(e, tuple) else (e,)) if e is not None else () for e in t.partition_spec
+        ]
+    else:
+        named = engine.sharding_of(t.global_tensor)
+        jmesh = getattr(named, "mesh", None)
+        if jmesh is None:  # a CPU tensor, or a pending result no mark laid out
+            raise ValueError(
+                f"XLAShardedTensor: a tensor of shape {tuple(t.shape)} on {t.global_tensor.device} "
+                "has no sharding to describe as DTensor placements; mark it with "
+                "xs.mark_sharding (or pass mesh_shape= and partition_spec=)"
+            )
+        else:
+            shape = tuple(jmesh.devices.shape)
+            ids = [engine.ordinal(d) for d in jmesh.devices.flat]
+            index = {name: i for i, name in enumerate(jmesh.axis_names)}
+            spec = [
+                tuple(index[a] for a in (e if isinstance(e, tuple) else (e,)))
+                if e is not None
+                else ()
+                for e in named.spec
+            ]
+    placements = []
+    for axis in range(len(shape)):
+        dims = [d for d, axes in enumerate(spec) if axis in axes]
+        placements.append(Shard(dims[0]) if dims else Replicate())
+    mesh = DeviceMesh("xla", torch.tensor(ids).reshape(shape))
+    meta = TensorMeta(t.shape, t.stride(), t.dtype)
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=meta)
+
+
+def _wrap_result(x):
+    """An op on a sharded tensor gives a sharded tensor (on the device), as torch_xla's does."""
+    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
+        return XLAShardedTensor(x, requires_grad=False)
+    return x
+
+
+class _Wrap(torch.autograd.Function):
+    """``XLAShardedTensor(t)`` for a ``t`` in an autograd graph: the wrapper keeps a grad_fn."""
+
+    @staticmethod
+    def forward(ctx, t):
+        return XLAShardedTensor(t, requires_grad=False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return unwrap_sharded_tensor(grad)
+
+
+def wrap_as_sharded_tensor(t, mesh_shape=None, partition_spec=None):
+    """``t`` as an ``XLAShardedTensor``; ``mesh_shape``/``partition_spec`` (torch_xla's DTensor
+    metadata) describe it for ``_spec`` (they do not move data)."""
+    if not isinstance(t, XLAShardedTensor):
+        return XLAShardedTensor(t, mesh_shape=mesh_shape, partition_spec=partition_spec)
+    if mesh_shape is not None or partition_spec is not None:
+        if mesh_shape is not None:
+            t.mesh_shape = mesh_shape
+        if partition_spec is not None:
+            t.partition_spec = partition_spec
+        t.invalidate_spec_cache()
+    return t
 
 
 def unwrap_sharded_tensor(t):
@@ -289,7 +435,7 @@ def unwrap_sharded_tensor(t):
 
 
 def _mesh_or_global(mesh, call):
-    mesh = get_global_mesh() if mesh is None else mesh
+    mesh = get_global_mesh() if mesh is None else _as_mesh(mesh)
     if not isinstance(mesh, Mesh):
         raise ValueError(f"{call}: expected an xs.Mesh (or a global mesh), got {mesh!r}")
     return mesh
@@ -408,6 +554,10 @@ class ShardingSpec:
     def apply(self, t):
         mark_sharding(t, self.mesh, self.partition_spec)
 
+    def replicate(self, t):
+        """Lay ``t`` out replicated over the mesh (a loader's tensor the spec does not fit)."""
+        mark_sharding(t, self.mesh, (None,) * t.dim())
+
     def xla_spec(self, t):
         if not self.can_apply(t):
             return None
@@ -439,11 +589,12 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks."""
     import torchacc
 
+    given = mesh  # partition_fn gets the mesh it was given (torch's DeviceMesh calls back torch)
     mesh = _mesh_or_global(mesh, "xs.xla_distribute_module")
     module = module.to(torchacc.device())
     if partition_fn is not None:
         for name, sub in module.named_modules():
-            partition_fn(name, sub, mesh)
+            partition_fn(name, sub, mesh if given is None else given)
     if input_fn is not None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None:
@@ -451,10 +602,62 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     return module
 
 
+def _as_mesh(mesh):
+    """An ``xs.Mesh`` for ``mesh`` (an ``xs.Mesh``, or torch's ``DeviceMesh("xla", ...)``)."""
+    grid = getattr(mesh, "mesh", None)
+    if isinstance(grid, torch.Tensor) and getattr(mesh, "device_type", None) in (
+        "xla",
+        DEVICE_TYPE,
+    ):
+        return Mesh(grid.flatten().tolist(), tuple(grid.shape), mesh.mesh_dim_names)
+    return mesh
+
+
 def xla_distribute_tensor(tensor, device_mesh, placements=None):
-    raise NotImplementedError(
-        "xs.xla_distribute_tensor: DTensor placements are not translated; use mark_sharding"
-    )
+    """torch's ``distribute_tensor`` on an ``xla`` DeviceMesh: ``Shard(d)`` on mesh dim ``i``
+    splits tensor dim ``d`` over mesh axis ``i``, ``Replicate()`` leaves it whole (a CPU tensor
+    moves to the device first). Returns the ``XLAShardedTensor`` (a leaf when ``tensor`` needs
+    a gradient, as torch_xla's)."""
+    from torch.distributed.tensor.placement_types import Replicate
+
+    mesh = _mesh_or_global(_as_mesh(device_mesh), "xs.xla_distribute_tensor")
+    rank = len(mesh.mesh_shape)
+    placements = list(placements) if placements is not None else [Replicate()] * rank
+    if len(placements) != rank:
+        raise ValueError(
+            f"xs.xla_distribute_tensor: {len(placements)} placements {placements} for a "
+            f"{rank}-d mesh of shape {mesh.mesh_shape}"
+        )
+    spec = _placement_spec(placements, tensor.dim(), "xs.xla_distribute_tensor")
+    if tensor.device.type != DEVICE_TYPE:
+        tensor = (
+            tensor.detach().to(torch.device(DEVICE_TYPE, 0)).requires_grad_(tensor.requires_grad)
+        )
+    out = mark_sharding(unwrap_sharded_tensor(tensor), mesh, tuple(spec))
+    if tensor.requires_grad:
+        return XLAShardedTensor(out.global_tensor, requires_grad=True)
+    return out
+
+
+def _entry(e):
+    return e if isinstance(e, tuple) else (e,)
+
+
+def _placement_spec(placements, ndim, call):
+    """The partition spec of DTensor ``placements`` (one per mesh axis) for a rank-``ndim``
+    tensor: ``Shard(d)`` on axis ``i`` splits dim ``d`` over axis ``i``."""
+    from torch.distributed.tensor.placement_types import Replicate, Shard
+
+    spec = [None] * ndim
+    for axis, p in enumerate(placements):
+        if isinstance(p, Shard):
+            if not -ndim <= p.dim < ndim:
+                raise IndexError(f"{call}: {p} of a tensor of rank {ndim}")
+            d = p.dim % ndim
+            spec[d] = axis if spec[d] is None else (*_entry(spec[d]), axis)
+        elif not isinstance(p, Replicate):
+            raise NotImplementedError(f"{call}: placement {p} (only Shard and Replicate)")
+    return tuple(spec)
 
 
 _mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
