@@ -33,7 +33,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 
-from run_stats import (  # benchmarks/run_stats.py: what is read from the runs
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # also when loaded by path
+from run_stats import (  # noqa: E402  (benchmarks/run_stats.py: what is read from the runs)
     _error_line,
     _load1,
     _median,

@@ -45,9 +45,9 @@ def _results(prefix, n):
     return [json.loads((prefix.parent / f"{prefix.name}.{r}").read_text()) for r in range(n)]
 
 
-def test_no_torchacc_module_imports_the_gallery():
+def test_no_launcher_module_imports_the_gallery():
     found = []
-    for path in sorted((ROOT / "torchacc").rglob("*.py")):
+    for path in sorted((ROOT / "torchacc").glob("launch*.py")):
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             names = []
             if isinstance(node, ast.Import):
@@ -147,3 +147,19 @@ def test_mesh_that_does_not_hold_the_jobs_devices_is_refused_before_start():
         p.stderr
     )
     assert "[launch]" not in p.stdout  # no worker was started
+
+
+def test_without_a_provider_scripts_and_entries_still_launch(tmp_path, capsys, monkeypatch):
+    """A pip install has no gallery: the registry is empty, the default --model is refused in
+    one line only when it would be used, and a script or MODULE:FUNCTION still parses."""
+    registry = launch.registry
+    monkeypatch.setattr(registry, "_registered", {})
+    monkeypatch.setattr(registry, "_loaded", True)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert launch.parse_args([str(script), "--x"]).script_args == ["--x"]
+    assert launch.parse_args(["--model", "pkg.mod:main"]).model == "pkg.mod:main"
+    with pytest.raises(SystemExit):
+        launch.parse_args([])
+    err = capsys.readouterr().err
+    assert "--model resnet50: no such model here (registered: none)" in err

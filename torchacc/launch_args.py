@@ -121,10 +121,13 @@ def profile_window(text: str) -> tuple[int, int]:
     return int(start), int(stop)
 
 
+_DEFAULT_MODEL = "resnet50"
+
+
 def _model(text: str) -> str:
     """A registered ``--model`` name, or ``MODULE:FUNCTION`` (a training entry of one's own)."""
-    if text in MODELS or registry.is_entry(text):
-        return text
+    if text in MODELS or registry.is_entry(text) or text == _DEFAULT_MODEL:
+        return text  # the default is checked after parsing, and only when no script is given
     known = ", ".join(repr(n) for n in sorted(MODELS))
     raise argparse.ArgumentTypeError(
         f"invalid choice: {text!r} (choose from {known}, or give MODULE:FUNCTION)"
@@ -196,7 +199,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--model",
         type=_model,
-        default="resnet50",
+        default=_DEFAULT_MODEL,
         metavar="NAME",
         help="a registered model (the gallery's: "
         + ", ".join(sorted(MODELS))
@@ -432,16 +435,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.nnodes > 1 and args.master_addr is None and "MASTER_ADDR" not in os.environ:
         parser.error("--nnodes > 1 needs --master_addr (the address of node 0)")
     _check_script(parser, args)
-    model = registry.lookup(args.model)
-    if model.inputs == "images":
-        if args.seq_len is not None:
-            parser.error(f"--seq_len applies to the gpt models, not {args.model}")
-    elif model.inputs == "tokens":
-        if args.data != "mock":
-            parser.error(f"--data: {args.model} trains on mock tokens only; use --data mock")
-        block = _block_size(model) if args.seq_len is not None else None
-        if block is not None and args.seq_len > block:
-            parser.error(f"--seq_len {args.seq_len} > {args.model}'s block size {block}")
+    err = (
+        None
+        if args.script is not None
+        else registry.flag_error(args.model, args.seq_len, args.data)
+    )
+    if err:
+        parser.error(err)
     if args.torch_compile and args.compiler_opt:
         parser.error(
             "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
@@ -502,15 +502,6 @@ def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespac
         return
     if not args.compiler_opt:
         parser.error("--compile_mode=dynamo needs --compiler-opt (it selects the compiler path)")
-
-
-def _block_size(model) -> int | None:
-    if model.block_size is None:
-        return None
-    try:
-        return model.block_size()
-    except ImportError:  # the model's package is not importable from here: the worker checks it
-        return None
 
 
 def _check_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -25,7 +25,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Model", "register", "models", "lookup", "MODELS", "PROVIDER_ENV"]
+__all__ = ["Model", "register", "models", "lookup", "flag_error", "MODELS", "PROVIDER_ENV"]
 
 PROVIDER_ENV = "TORCHACC_MODEL_PROVIDERS"
 _DEFAULT_PROVIDERS = ("gallery.registry",)  # the checkout's gallery, when importable
@@ -116,6 +116,38 @@ def lookup(name: str) -> Model:
     if is_entry(name):
         return Model(name=name, worker=name, shards=True)
     raise KeyError(name)
+
+
+def _block_size(model: Model) -> int | None:
+    if model.block_size is None:
+        return None
+    try:
+        return model.block_size()
+    except ImportError:  # the model's package is not importable from here: the worker checks it
+        return None
+
+
+def flag_error(name: str, seq_len: int | None, data: str) -> str | None:
+    """Why ``--model name`` cannot run with ``--seq_len``/``--data`` (one line), or None: an
+    unknown name (the registry may be empty: no gallery next to an install), a ``--seq_len``
+    for images or past the block size, a ``--data`` directory for a model of mock tokens."""
+    try:
+        model = lookup(name)
+    except KeyError:
+        known = ", ".join(sorted(models())) or "none"
+        return (
+            f"--model {name}: no such model here (registered: {known}); give MODULE:FUNCTION "
+            "or a script path"
+        )
+    if model.inputs == "images" and seq_len is not None:
+        return f"--seq_len applies to the gpt models, not {name}"
+    if model.inputs == "tokens":
+        if data != "mock":
+            return f"--data: {name} trains on mock tokens only; use --data mock"
+        block = _block_size(model) if seq_len is not None else None
+        if block is not None and seq_len > block:
+            return f"--seq_len {seq_len} > {name}'s block size {block}"
+    return None
 
 
 class _Names(Mapping):

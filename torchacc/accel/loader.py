@@ -54,9 +54,7 @@ import bisect
 import copy
 import itertools
 import os
-import queue
 import sys
-import threading
 import warnings
 
 import torch
@@ -70,10 +68,9 @@ from torchacc.distributed.data_state import (
     load_with_source,
 )
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.lazy.prefetch import END, Prefetcher
 from torchacc.sharding import data
 from torchacc.sharding.data import _map, upload_tree, wrap_tree  # noqa: F401  (shared uploads)
-
-_END = object()
 
 
 def uniform_buckets(max_length, num_buckets=8):
@@ -209,47 +206,30 @@ def _host_memory():
 
 
 class _Epoch:
-    """One pass over the host loader, prefetched by a background thread."""
+    """One pass over the host loader, prefetched by the lazy frontend's loop
+    (torchacc/lazy/prefetch.py); taking a batch first syncs the step recorded on the previous."""
 
     def __init__(self, loader, transform, prefetch, owner, input_sharding=None):
         from torchacc.runtime.device import jax_device
 
         jax_device()  # pick (and join a multi-process job for) the device on this thread
-        self._queue = queue.Queue(maxsize=max(1, prefetch))
-        self._done = threading.Event()
-        self._loader = loader
+        layout = data.batch_layout(input_sharding)
+        agreement = data.BatchAgreement()
         self._owner = owner
-        self._transform = transform
-        self._layout = data.batch_layout(input_sharding)
-        self._agreement = data.BatchAgreement()
-        self._first = True
-        self._thread = threading.Thread(
-            target=self._work, name="torchacc-async-loader", daemon=True
+        # the host loader's batches come with its state after each (Note [Loader state]): the
+        # loop carries (batch, state) pairs, the batch transformed, checked and uploaded
+        self._prefetch = Prefetcher(
+            owner._host_batches(),
+            prefetch,
+            upload=lambda item: (upload_tree(item[0], layout), item[1]),
+            wrap=lambda item: item,  # wrapped in __next__, after the state is taken
+            transform=lambda item: (transform(item[0]), item[1]),
+            # the processes agree on each batch's shapes
+            check=lambda item, done: agreement.check(None if item is None else item[0], done),
+            name="torchacc-async-loader",
         )
-        self._thread.start()
-
-    def _put(self, item):
-        while not self._done.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _work(self):
-        try:
-            for batch, state in self._owner._host_batches():
-                batch = self._transform(batch)
-                if not self._agreement.check(batch, self._done):
-                    return
-                if not self._put(("batch", (upload_tree(batch, self._layout), state))):
-                    return
-            self._agreement.check(None, self._done)
-        except BaseException as e:  # re-raised in the consuming thread
-            self._put(("error", e))
-            return
-        self._put(("end", None))
+        self._first = True
+        self._ended = False
 
     def __iter__(self):
         return self
@@ -262,23 +242,20 @@ class _Epoch:
             if _debug():
                 _report_new_programs()
         self._first = False
-        if self._done.is_set():
+        item = self._prefetch.get()
+        if item is END:
+            if self._prefetch.finished and not self._ended:
+                self._ended = True
+                self._owner._ended()  # the host loader's pass is complete
             raise StopIteration
-        kind, payload = self._queue.get()
-        if kind == "batch":
-            batch, state = payload
-            self._owner._took(state)
-            return wrap_tree(batch)
-        self._done.set()
-        if kind == "error":
-            raise payload
-        self._owner._ended()
-        raise StopIteration
+        batch, state = item
+        self._owner._took(state)
+        return wrap_tree(batch)
 
     def __del__(self):
-        done = getattr(self, "_done", None)
-        if done is not None:
-            done.set()
+        prefetch = getattr(self, "_prefetch", None)
+        if prefetch is not None:
+            prefetch._done.set()  # an abandoned epoch draws no more batches
 
 
 def _host_sampler(loader):

@@ -15,7 +15,8 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
                              ``custom_kernel._shard_map``)
 - ``data``        (library)  every process loads its own data: how the loaders lay a batch out,
                              the processes' agreement on its shapes (Note [Per-process batches])
-- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``)
+- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``:
+                             Megatron pairs; ``parallelize_module``: torch's tp plans)
 
 Front doors (``torch_xla``'s spmd, ``parallel/``, ``horovod/``, ``accel/``, ``nn/``) import these
 modules; they never import each other, nor ``sharding.mesh`` directly (tests/test_architecture.py).

@@ -24,6 +24,18 @@ import torch
 import torchacc
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
+from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls)
+    _clear_xla_counters,
+    _clear_xla_metrics,
+    _get_executed_fallback_ops,
+    _short_xla_metrics_report,
+    _xla_counter_names,
+    _xla_counter_value,
+    _xla_increment_counter,
+    _xla_metric_data,
+    _xla_metric_names,
+    _xla_metrics_report,
+)
 
 
 class XLACNotImplementedError(NotImplementedError, AttributeError):
@@ -271,57 +283,6 @@ def _xla_get_mat_mul_precision():
 
 def _xla_set_use_full_mat_mul_precision(use_full_mat_mul_precision=True):
     _xla_set_mat_mul_precision("highest" if use_full_mat_mul_precision else "default")
-
-
-# --- metrics ---------------------------------------------------------------------------------
-
-
-def _met():
-    from torchacc.torch_xla.debug import metrics
-
-    return metrics
-
-
-def _xla_counter_names():
-    return _met().counter_names()
-
-
-def _xla_counter_value(name):
-    return _met().counter_value(name)
-
-
-def _xla_metric_names():
-    return _met().metric_names()
-
-
-def _xla_metric_data(name):
-    return _met().metric_data(name)
-
-
-def _xla_metrics_report():
-    return _met().metrics_report()
-
-
-def _short_xla_metrics_report(counter_names, metric_names):
-    return _met().short_metrics_report(counter_names, metric_names)
-
-
-def _clear_xla_counters():
-    _met().clear_counters()
-
-
-def _clear_xla_metrics():
-    _met().clear_metrics()
-
-
-def _get_executed_fallback_ops():
-    return _met().executed_fallback_ops()
-
-
-def _xla_increment_counter(name, value):
-    from torchacc import metrics
-
-    metrics.counter_inc(name, value)
 
 
 # --- internals torch_xla's tests call ----------------------------------------------------------

@@ -24,19 +24,17 @@ torchacc/sharding/data.py); without ``input_sharding`` it is split over every me
 
 from __future__ import annotations
 
-import queue
-import threading
-
 import torch
 
-# the upload (any thread) and the wrapping as torchacc tensors (the recording thread), shared with
-# torchacc.AsyncLoader
 from torchacc.lazy.device import DEVICE_TYPE
+
+# the prefetch loop (background thread, bounded queue), shared with torchacc.AsyncLoader, and the
+# upload (any thread, laid out per process) and wrapping as torchacc tensors (the recording thread)
+from torchacc.lazy.prefetch import END as _END
+from torchacc.lazy.prefetch import Prefetcher
 from torchacc.sharding.data import BatchAgreement, batch_layout
 from torchacc.sharding.data import upload_tree as _upload_tree
 from torchacc.sharding.data import wrap_tree as _wrap_tree
-
-_END = object()
 
 
 class PerDeviceLoader:
@@ -76,7 +74,8 @@ class ParallelLoader:
     """Wraps a host loader; ``per_device_loader(device)`` yields its batches on the device.
 
     ``loader_prefetch_size``, ``host_to_device_transfer_threads`` are accepted for torch_xla
-    compatibility; one background thread both iterates the loader and uploads, holding at most
+    compatibility; one background thread (the lazy frontend's prefetch loop,
+    torchacc/lazy/prefetch.py) both iterates the loader and uploads, holding at most
     ``device_prefetch_size`` uploaded batches.
     """
 
@@ -105,13 +104,17 @@ class ParallelLoader:
         self._devices = devices
         self._batchdim = batchdim
         self._batches_per_execution = batches_per_execution
-        self._queue = queue.Queue(maxsize=max(1, int(device_prefetch_size)))
-        self._done = threading.Event()
         torchacc.jax_device()  # pick (and join a multi-process job for) the device on this thread
-        self._layout = batch_layout(input_sharding)
-        self._agreement = BatchAgreement()
-        self._thread = threading.Thread(target=self._worker, name="torchacc-loader", daemon=True)
-        self._thread.start()
+        layout = batch_layout(input_sharding)
+        self._prefetch = Prefetcher(
+            loader,
+            device_prefetch_size,
+            upload=lambda batch: _upload_tree(batch, layout),
+            wrap=_wrap_tree,
+            check=BatchAgreement().check,  # the processes agree on each batch's shapes
+            name="torchacc-loader",
+        )
+        self._thread = self._prefetch.thread
 
     @property
     def batches_per_execution(self):
@@ -127,61 +130,11 @@ class ParallelLoader:
 
     def close(self):
         """Stop the background thread (batches not yet taken are dropped)."""
-        self._done.set()
-        while True:
-            try:
-                self._queue.get_nowait()
-            except queue.Empty:
-                break
-
-    def __del__(self):
-        done = getattr(self, "_done", None)
-        if done is not None:
-            done.set()
-
-    def _put(self, item):
-        while not self._done.is_set():
-            try:
-                self._queue.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def _worker(self):
-        try:
-            for batch in self._loader:
-                if not self._agreement.check(batch, self._done):
-                    return
-                uploaded = _upload_tree(batch, self._layout)
-                if self._done.is_set() or not self._put(("batch", uploaded)):
-                    return
-                if self._done.is_set():  # closed while this batch waited: draw no more
-                    return
-            self._agreement.check(None, self._done)
-        except BaseException as e:  # re-raised in the consuming thread
-            self._put(("error", e))
-            return
-        self._put(("end", None))
+        self._prefetch.close()
 
     def _next_item(self):
-        if self._done.is_set() and self._queue.empty():
-            return _END
-        while True:
-            try:
-                kind, payload = self._queue.get(timeout=1.0)
-                break
-            except queue.Empty:
-                if not self._thread.is_alive() and self._queue.empty():
-                    return _END
-        if kind == "end":
-            self._done.set()
-            return _END
-        if kind == "error":
-            self._done.set()
-            raise payload
-        batch = _wrap_tree(payload)
-        if self._input_sharding is not None:
+        batch = self._prefetch.get()
+        if batch is not _END and self._input_sharding is not None:
             _shard_batch(batch, self._input_sharding)
         return batch
 
