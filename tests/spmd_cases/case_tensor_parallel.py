@@ -244,3 +244,18 @@ def test_parallelize_module_bad_plan_changes_nothing():
     with pytest.raises(ValueError, match="PrepareModuleInput is not supported"):
         recipes.parallelize_module(model, _tp_mesh(), {"layers.0": PrepareModuleInput()})
     assert not any(_spec(model.layers[0].attn.q_proj.weight))  # nothing was sharded
+
+
+@pytest.mark.parametrize("kind", ["gpt", "llama"])
+def test_training_step_moves_no_activation_but_the_row_layers_sums(kind):
+    """forward + backward + SGD at tp 4: every collective of the step is an all-reduce over tp
+    of a block's b x s x h (at most Megatron's 2 forward + 2 backward per block) or of one
+    element (the checkpoint fence's predicate, Note [Backward rules read fenced forward
+    values]); no activation is all-gathered."""
+    _, model = _pair(kind, 4)
+    model = _accelerate(model, 4)
+    _train(model, _batches(2), model.device)
+    found = _collectives()
+    big = [c for c in found if c != ("all-reduce", f"f32[{B},{T},64]{{2,1,0}}")]
+    assert all(op == "all-reduce" and re.fullmatch(r"f32\[1(,1)*\]\S*", s) for op, s in big), found
+    assert 2 * 2 <= len(found) - len(big) <= 4 * 2, found
