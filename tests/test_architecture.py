@@ -16,7 +16,18 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 # top to bottom (docs/architecture.md); a prefix names a package or a module
 STAGES = [
-    ("public API", ["torchacc", "torchacc.alias", "torchacc.run_torch_xla", "torchacc.torch_xla"]),
+    (
+        "public API",
+        [
+            "torchacc",
+            "torchacc.alias",
+            "torchacc.core",  # AlibabaPAI/torchacc's ta.* names (also torchacc.dist, .utils)
+            "torchacc.dist",
+            "torchacc.run_torch_xla",
+            "torchacc.torch_xla",
+            "torchacc.utils",
+        ],
+    ),
     (
         "launcher",
         [

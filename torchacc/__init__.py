@@ -30,6 +30,9 @@ from torchacc.accel.loader import AsyncLoader
 from torchacc.accel.api import accelerate, mark_dynamic
 from torchacc.accel import ops
 from torchacc.lazy.scan_hf import scan_hf_layers
+from torchacc import amp, dist, utils  # TorchAcc's ta.amp, ta.dist, ta.utils namespaces
+from torchacc.amp import syncfree
+from torchacc.core import fetch_gradients, is_lazy_device, is_lazy_tensor, lazy_device
 
 mark_step = sync
 _op_sites.install()  # TORCHACC_DEBUG=1: each recorded op knows the user's line that recorded it
@@ -62,9 +65,15 @@ __all__ = [
     "LazyTensor",
     "SyncWarning",
     "accelerate",
+    "amp",
     "compile",
     "device",
     "device_hw",
+    "dist",
+    "fetch_gradients",
+    "is_lazy_device",
+    "is_lazy_tensor",
+    "lazy_device",
     "jax_device",
     "mark_dynamic",
     "mark_step",
@@ -73,5 +82,7 @@ __all__ = [
     "platform",
     "scan_hf_layers",
     "sync",
+    "syncfree",
+    "utils",
     "wait_device_ops",
 ]

@@ -2,11 +2,21 @@
 
 ``flash_attn_varlen_xla`` is flash-attn's varlen interface (packed tokens, ``cu_seqlens``) as
 TorchAcc names it; it runs torchacc_ops' ``flash_attention`` with the packed-sequence mask.
+
+``context_parallel`` is TorchAcc's context parallel (Ulysses, ring attention, split/gather),
+torchacc/accel/context_parallel.py; ``import torchacc.ops.context_parallel`` works too.
 """
 
 from __future__ import annotations
 
+import sys
+
 import torchacc_ops
+from torchacc.accel import context_parallel
+
+# TorchAcc's import paths: `torchacc.ops` and `torchacc.ops.context_parallel`
+sys.modules.setdefault("torchacc.ops", sys.modules[__name__])
+sys.modules.setdefault("torchacc.ops.context_parallel", context_parallel)
 
 
 def flash_attn_varlen_xla(
@@ -46,4 +56,4 @@ def flash_attn_varlen_xla(
     return out.squeeze(0).transpose(0, 1)
 
 
-__all__ = ["flash_attn_varlen_xla"]
+__all__ = ["context_parallel", "flash_attn_varlen_xla"]

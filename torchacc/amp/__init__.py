@@ -15,7 +15,8 @@
 Default autocast dtype: **bfloat16**. Override it per call (``autocast(dtype=torch.float16)``),
 per process (:func:`set_default_dtype`) or by environment (``TORCHACC_AMP_DTYPE=fp16`` / ``bf16``).
 ``torch.autocast('torchacc', ...)`` works too once this package is imported (it registers the
-autocast kernels; see :mod:`torchacc.amp.autocast_policy`).
+autocast kernels; see :mod:`torchacc.amp.autocast_policy`), and so do ``torch.autocast('cuda')`` /
+``torch.cuda.amp.autocast(...)`` regions, as on TorchAcc (:mod:`torchacc.amp.cuda_autocast`).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import os
 
 import torch
 
-from torchacc.amp import autocast_policy
+from torchacc.amp import autocast_policy, cuda_autocast
 from torchacc.lazy.device import DEVICE_TYPE, register_backend
 
 _DTYPE_NAMES = {
@@ -93,6 +94,7 @@ class autocast(torch.amp.autocast_mode.autocast):
 
 
 autocast_policy.install()
+cuda_autocast.install()  # torch.cuda.amp.autocast(...) casts torchacc tensors too (TorchAcc's way)
 
 from torchacc.amp import syncfree  # noqa: E402
 from torchacc.amp.grad_scaler import GradScaler  # noqa: E402

@@ -42,6 +42,14 @@ class LazyTensor(torch.Tensor):
         body = text[len("tensor(") : -1] if text.startswith("tensor(") else text
         return f"tensor({body}, device='{self.device}')"
 
+    def __format__(self, format_spec):
+        # torch's Tensor.__format__ formats a 0-dim tensor's number only when ``type(self) is
+        # Tensor``; a device tensor formats as a plain one does (f"{loss}", format(t, ".4f")): its
+        # value is read like ``.item()``, a counted host read (TransferFromDevice).
+        if self.dim() == 0:
+            return self.detach().item().__format__(format_spec)
+        return object.__format__(self, format_spec)
+
     def __reduce_ex__(self, protocol):
         # torch.save of a device tensor stores its CPU value (like torch_xla's xm.save)
         return torch.Tensor.__reduce_ex__(self.detach().cpu(), protocol)

@@ -78,6 +78,7 @@ devices = runtime_mesh.devices  # every device of the job, by id
 local_devices = runtime_mesh.local_devices
 job_mesh = runtime_mesh.job_mesh  # processes x local devices (Note [One mesh])
 process_axes = runtime_mesh.process_axes
+adopt_mesh = runtime_mesh.adopt_mesh  # a jax Mesh over every device becomes the engine mesh
 
 
 def device_count():

@@ -1,0 +1,190 @@
+"""The JAX half of ``torchacc.ops.context_parallel`` (torchacc/accel/context_parallel.py): a JAX
+function as one node of the step forward and its VJP backward, and the attention region itself
+(Ulysses all-to-all, ring ppermute, online softmax, zig-zag), Note [Context parallel] there.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import torch
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from torchacc.lowering import region as _region
+from torchacc.lowering.dtypes import jdtype, tdtype
+
+_NEG = -1e30  # a masked score: finite, so a block with every key masked gives no NaN
+
+# ---------------------------------------------------------------------------------------------
+# a JAX function as one node forward and one backward (its VJP)
+
+_calls: dict = {}
+
+
+def _jax_node(fn, tensors, name):
+    """``fn(*arrays)`` (a tuple of arrays) as one recorded node on the torchacc tensors."""
+    key = (fn, tuple((tuple(t.shape), t.dtype) for t in tensors))
+    call = _calls.get(key)
+    if call is None:
+        specs = [jax.ShapeDtypeStruct(tuple(t.shape), jdtype(t.dtype)) for t in tensors]
+        precision = jax.config.jax_default_matmul_precision
+        with jax.default_matmul_precision(precision):
+            outs = jax.eval_shape(fn, *specs)
+        leaves, out_tree = jax.tree_util.tree_flatten(outs)
+        meta = [(tuple(o.shape), tdtype(o.dtype)) for o in leaves]
+        _, treedef = jax.tree_util.tree_flatten((tuple(specs), {}))
+        fn.__name__ = name
+        call = _region.JaxCall(fn, treedef, range(len(specs)), {}, precision, meta, out_tree)
+        _calls[key] = call
+    return list(_region.call_jax(list(tensors), call.key))
+
+
+_vjps: dict = {}  # forward -> its VJP function (one per forward, so its node is cached too)
+
+
+def _with_vjp(fwd, tensors, name, n_diff=None):
+    """``fwd`` (arrays -> one array) on ``tensors`` with autograd: the backward is one node
+    running ``jax.vjp(fwd)`` with respect to the first ``n_diff`` tensors (default: all; the
+    rest, integer lengths, get no gradient)."""
+    n_diff = len(tensors) if n_diff is None else n_diff
+    bwd = _vjps.get((fwd, n_diff))
+    if bwd is None:
+
+        def bwd(*args):
+            *xs, g = args
+            rest = xs[n_diff:]
+            return jax.vjp(lambda *d: fwd(*d, *rest), *xs[:n_diff])[1](g)
+
+        _vjps[fwd, n_diff] = bwd
+
+    class _Op(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, *ts):
+            ctx.save_for_backward(*ts)
+            return _jax_node(fwd, ts, name)[0]
+
+        @staticmethod
+        def backward(ctx, g):
+            grads = _jax_node(bwd, (*ctx.saved_tensors, g.contiguous()), name + "_bwd")
+            return (*grads, *[None] * (len(tensors) - n_diff))
+
+    return _Op.apply(*tensors)
+
+
+_fns: dict = {}  # (kind, static config) -> (fwd jax function); one per config so nodes cache
+
+
+def _cached(key, make):
+    f = _fns.get(key)
+    if f is None:
+        f = _fns[key] = make()
+    return f
+
+
+# ---------------------------------------------------------------------------------------------
+# attention on one device's blocks
+
+
+def _expand_kv(k, hq):
+    """GQA/MQA: repeat k/v heads up to the query heads."""
+    hk = k.shape[2]
+    return k if hk == hq else jnp.repeat(k, hq // hk, axis=2)
+
+
+def _scores(q, k, scale):
+    """[b, sq, h, d] x [b, sk, h, d] -> [b, h, sq, sk] in float32."""
+    k = _expand_kv(k, q.shape[2])
+    return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
+
+
+def _body(a2a, ring, n_ring, scale, causal):
+    """One device's attention: all-to-all over the ``a2a`` axes (Ulysses), then ``n_ring`` K/V
+    blocks passed around the ``ring`` axes merged by online softmax. Masks come from the
+    tokens' global positions (``qpos``, ``kpos``), which travel with the blocks."""
+    perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
+
+    def body(q, k, v, qpos, kpos, *lens):
+        if a2a:  # [b, s/n, h, d] -> [b, s, h/n, d]; the positions gathered in the same order
+            q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))
+            qpos, kpos = (jax.lax.all_gather(p, a2a, tiled=True) for p in (qpos, kpos))
+        b, sq, h, d = q.shape
+        m = jnp.full((b, h, sq), _NEG, jnp.float32)
+        den = jnp.zeros((b, h, sq), jnp.float32)
+        acc = jnp.zeros((b, h, sq, d), jnp.float32)
+        for step in range(n_ring):
+            s = _scores(q, k, scale)
+            mask = (qpos[:, None] >= kpos[None, :])[None, None] if causal else None
+            if lens:  # varlen: keys at or past a row's k_len are padding
+                keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
+                mask = keep if mask is None else mask & keep
+            if mask is not None:
+                s = jnp.where(mask, s, _NEG)
+            m_new = jnp.maximum(m, s.max(-1))
+            p = jnp.exp(s - m_new[..., None])
+            if mask is not None:  # a row with every key of this block masked adds nothing
+                p = jnp.where(mask, p, 0.0)
+            alpha = jnp.exp(m - m_new)
+            den = den * alpha + p.sum(-1)
+            vv = _expand_kv(v, h).astype(jnp.float32)
+            acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
+            m = m_new
+            if step + 1 < n_ring:
+                k, v, kpos = (jax.lax.ppermute(x, ring, perm) for x in (k, v, kpos))
+        out = acc / jnp.where(den > 0, den, 1.0)[..., None]
+        if lens:  # varlen: queries at or past q_len are padding, their output 0
+            out = jnp.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
+        out = jnp.transpose(out, (0, 2, 1, 3)).astype(q.dtype)
+        if a2a:  # back: [b, s, h/n, d] -> [b, s/n, h, d]
+            out = jax.lax.all_to_all(out, a2a, 1, 2, tiled=True)
+        return out
+
+    return body
+
+
+def _zigzag_order(n):
+    """Chunk order of the zig-zag layout: device i holds chunks i and 2 * n - 1 - i."""
+    return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
+
+
+def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
+    """The JAX function (q, k, v) -> out: one shard_map over ``a2a + ring``, sequences split on
+    those axes (ring major); the zig-zag reorder around it when a causal ring runs."""
+    sizes = dict(mesh.shape)
+    n_ring = int(np.prod([sizes[a] for a in ring]))
+    n = n_ring * int(np.prod([sizes[a] for a in a2a]))
+    seq_axes = tuple(a for a in mesh.axis_names if a in ring + a2a)
+    seq = seq_axes[0] if len(seq_axes) == 1 else seq_axes
+    spec, pos_spec = P(bax, seq, None, None), P(seq)
+    body = _body(a2a, ring, n_ring, scale, causal)
+    zigzag = causal and n_ring > 1
+
+    laid = NamedSharding(mesh, spec)
+
+    def fwd(q, k, v, *lens):
+        # inputs, results (and so the gradients) stay split on the sequence outside the region
+        q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
+        qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
+        kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
+        if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
+            order = np.array(_zigzag_order(n))
+
+            def zig(x, ix):
+                c = x.shape[1] // (2 * n)
+                x = x.reshape(x.shape[0], 2 * n, c, *x.shape[2:])[:, ix]
+                return x.reshape(x.shape[0], 2 * n * c, *x.shape[3:])
+
+            q, k, v = zig(q, order), zig(k, order), zig(v, order)
+            qpos = kpos = zig(qpos[None], order)[0]
+        out = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, pos_spec, pos_spec, *[P(bax)] * len(lens)),
+            out_specs=spec,
+            check_vma=False,
+        )(q, k, v, qpos, kpos, *lens)
+        out = zig(out, np.argsort(order)) if zigzag else out
+        return jax.lax.with_sharding_constraint(out, laid)
+
+    return fwd
