@@ -82,7 +82,9 @@ def _accelerate(model, tp):
 
 
 def _collectives():
-    """[(op, result shape)] of the collectives of the last compiled program (per device)."""
+    """[(op, result shape)] of the collectives of the last compiled program (per device); the
+    test clears the in-memory cache first (``cache.clear_memory_cache()``), so that its program
+    is compiled, not found."""
     text = next(reversed(cache._cache.values())).as_text()
     return [(m.group(2), m.group(1)) for m in COLLECTIVE.finditer(text)]
 
@@ -122,6 +124,7 @@ def test_one_all_reduce_of_b_s_h_per_attention_and_per_mlp(kind, tp):
     of the block's output on a device, (B / dp) x T x h fp32 (Megatron's 2 b*s*h per block)."""
     _, model = _pair(kind, tp)
     model = _accelerate(model, tp)
+    cache.clear_memory_cache()
     ids = torch.randint(0, VOCAB, (B, T)).to(model.device)
     with torch.no_grad():
         out = model(ids)
@@ -212,6 +215,7 @@ def test_torch_parallelize_module_plan_on_a_torchacc_mesh(sequence_parallel):
     losses = _train(model, batches, ta.device())
     ref_losses = _train(ref, batches)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    cache.clear_memory_cache()
     with torch.no_grad():
         out = model(batches[0][:, :-1].to(ta.device()))
     ta.sync()
@@ -254,6 +258,7 @@ def test_training_step_moves_no_activation_but_the_row_layers_sums(kind):
     values]); no activation is all-gathered."""
     _, model = _pair(kind, 4)
     model = _accelerate(model, 4)
+    cache.clear_memory_cache()
     _train(model, _batches(2), model.device)
     found = _collectives()
     big = [c for c in found if c != ("all-reduce", f"f32[{B},{T},64]{{2,1,0}}")]
