@@ -6,7 +6,9 @@ With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
 ``torchacc_ops.flash_attention`` (the same call on both paths; on the torchacc device one fused op,
 cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks are
 one ``ScannedLayers`` of torchacc (stacked weights, one scan on the torchacc device).
-Configurations are chosen by name; ``gpt2`` is the 124M model (124,439,808 parameters).
+The fused QKV projection ``c_attn`` is laid out head-major (Megatron's layout), so a
+tensor-parallel split of its rows is a split of the heads. Configurations are chosen by name;
+``gpt2`` is the 124M model (124,439,808 parameters).
 """
 
 from __future__ import annotations
@@ -59,10 +61,11 @@ class CausalSelfAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = self.c_attn(x).split(c, dim=2)
-        q = q.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        k = k.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
-        v = v.view(b, t, self.n_head, c // self.n_head).transpose(1, 2)
+        # c_attn's output features are head-major, (head, q|k|v, head_dim) as Megatron stores
+        # a fused QKV: a contiguous split of them over tensor-parallel devices gives each device
+        # whole heads' q, k and v (torchacc/sharding/recipes.py)
+        qkv = self.c_attn(x).view(b, t, self.n_head, 3, c // self.n_head).transpose(1, 2)
+        q, k, v = qkv.unbind(3)
         p = self.dropout if self.training else 0.0
         if self.kernels:
             y = torchacc_ops.flash_attention(q, k, v, causal=True, dropout_p=p)

@@ -32,7 +32,9 @@ Order of work (everything is checked before anything happens):
    (replicated over dp, sharded over fsdp: FSDP within a node, data parallel across nodes). On
    ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
    device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
-   FSDPv2 and column-parallel Linear layers through XLA's partitioner (``_lazy_sharded``);
+   FSDPv2 and Megatron's column->row Linear pairs through XLA's partitioner
+   (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
+   ValueError before anything changes);
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
    path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
    rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note
@@ -145,10 +147,11 @@ def _spmd_device_count():
     return len(sharding.devices())
 
 
-def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
+def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None):
     """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
-    device of the job (Note [SPMD mode]). ``tp`` splits each Linear's output features (column
-    parallel), ``fsdp`` dim 0 of every other parameter (ZeRO-3); a forward pre-hook splits the
+    device of the job (Note [SPMD mode]). ``tp`` splits the Megatron column->row pairs of
+    ``tp_plan`` (Note [Megatron pairs] in torchacc/sharding/recipes.py), ``fsdp`` dim 0 of every
+    other parameter (ZeRO-3); a forward pre-hook splits the
     batch of the model's tensor inputs over dp x fsdp; XLA inserts every collective."""
     from torchacc.distributed import fsdp as zero
     from torchacc.lazy.device import device
@@ -166,8 +169,8 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
-    if tp > 1:  # column-parallel Linear layers (the engine's recipe)
-        recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None)
+    if tp > 1:  # Megatron column->row pairs (the engine's recipe)
+        recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None, plan=tp_plan)
     if fsdp > 1:
         zero.shard_parameters(model, mesh, "fsdp")
 
@@ -186,12 +189,12 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp")):
     return model, dev, input_sharding
 
 
-def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp")):
+def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp"), tp_plan=None):
     from torchacc.lazy.device import device
     from torchacc.sharding import collectives
 
     if spmd:
-        return _lazy_sharded(model, sizes, topology)
+        return _lazy_sharded(model, sizes, topology, tp_plan)
     dev = device()
     model.to(dev)
     dp = sizes[0]
@@ -266,6 +269,11 @@ def accelerate(model, dataloader=None, config=None):
     spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1)
     sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
     _refuse_unsupported(config, sizes)
+    tp_plan = None
+    if lazy and sizes[2] > 1:  # the pairs and their sizes are checked before anything changes
+        from torchacc.sharding import recipes
+
+        tp_plan = recipes.megatron_plan(model, sizes[2])
     if config.memory.gc:
         apply_gc(model, config.memory.gc_cls, config.memory.gc_cnt, lazy=lazy)
     compute = config.compute
@@ -275,7 +283,7 @@ def accelerate(model, dataloader=None, config=None):
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
     if lazy:
-        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology)
+        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology, tp_plan)
     else:
         (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property

@@ -53,7 +53,8 @@ def checkpoint_fence(tensors, after):
     anchor = [a for a in (*after, *tensors) if a.size]
     if not anchor:
         return list(tensors)
-    s = jnp.reshape(anchor[0], (-1,))[0]
+    # its first element by index: flattening a sharded tensor first would gather it whole
+    s = anchor[0][(0,) * anchor[0].ndim]
     never = (s != s) & (s == s)
     return [jnp.where(never, _other(t), t) for t in tensors]
 

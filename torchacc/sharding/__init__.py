@@ -13,9 +13,10 @@ collective rules. Its modules sit at the stages they serve (docs/architecture.md
                              them (gradient averaging, "start ranks equal")
 - ``regions``     (library)  manual regions of the user's code (``xs.shard_map``,
                              ``custom_kernel._shard_map``)
-- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``)
 - ``data``        (library)  every process loads its own data: how the loaders lay a batch out,
                              the processes' agreement on its shapes (Note [Per-process batches])
+- ``recipes``     (library)  parallelism policies as parameter shardings (``tensor_parallel``:
+                             Megatron pairs; ``parallelize_module``: torch's tp plans)
 
 Front doors (``torch_xla``'s spmd, ``parallel/``, ``horovod/``, ``accel/``, ``nn/``) import these
 modules; they never import each other, nor ``sharding.mesh`` directly (tests/test_architecture.py).
