@@ -42,6 +42,7 @@ STAGES = [
         [
             "torchacc.accel",
             "torchacc.amp",
+            "torchacc.context_parallel",
             "torchacc.distributed",
             "torchacc.horovod",
             "torchacc.nn",

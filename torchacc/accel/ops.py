@@ -4,7 +4,7 @@
 TorchAcc names it; it runs torchacc_ops' ``flash_attention`` with the packed-sequence mask.
 
 ``context_parallel`` is TorchAcc's context parallel (Ulysses, ring attention, split/gather),
-torchacc/accel/context_parallel.py; ``import torchacc.ops.context_parallel`` works too.
+torchacc/context_parallel/; ``import torchacc.ops.context_parallel`` works too.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import sys
 
 import torchacc_ops
-from torchacc.accel import context_parallel
+from torchacc import context_parallel
 
 # TorchAcc's import paths: `torchacc.ops` and `torchacc.ops.context_parallel`
 sys.modules.setdefault("torchacc.ops", sys.modules[__name__])

@@ -11,7 +11,7 @@ moves data: ``all_to_all`` / ``ppermute`` are JAX's, the layouts around the regi
 
 Per-process style (TorchAcc's: torchrun, one device per process, SPMD mode off): each process
 holds its chunk of the sequence and the ops are torch ops over the engine's collectives
-(accel/cp_process.py), the same algorithms on rank groups instead of mesh axes.
+(per_process.py), the same algorithms on rank groups instead of mesh axes.
 
 Note [Context parallel]
     Ulysses: each device holds ``seq / cp`` tokens of every head; an ``all_to_all`` over ``cp``
@@ -42,7 +42,7 @@ import torch
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from torchacc.accel.cp_process import (
+from torchacc.context_parallel.per_process import (
     ProcessGroups,
     _2d_per_process,
     _Gather,
@@ -50,7 +50,7 @@ from torchacc.accel.cp_process import (
     _Split,
     _ulysses_per_process,
 )
-from torchacc.accel.cp_regions import (
+from torchacc.context_parallel.regions import (
     _cached,
     _fns,  # noqa: F401  (the tests read the cached regions)
     _jax_node,

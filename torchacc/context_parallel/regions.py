@@ -1,4 +1,4 @@
-"""The JAX half of ``torchacc.ops.context_parallel`` (torchacc/accel/context_parallel.py): a JAX
+"""The JAX half of ``torchacc.ops.context_parallel`` (torchacc/context_parallel/__init__.py): a JAX
 function as one node of the step forward and its VJP backward, and the attention region itself
 (Ulysses all-to-all, ring ppermute, online softmax, zig-zag), Note [Context parallel] there.
 """

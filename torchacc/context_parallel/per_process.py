@@ -1,4 +1,4 @@
-"""The per-process half of ``torchacc.ops.context_parallel`` (torchacc/accel/context_parallel.py):
+"""The per-process half of ``torchacc.ops.context_parallel`` (context_parallel/__init__.py):
 TorchAcc's style under torchrun, one device per process, each holding its chunk of the sequence.
 Torch ops and the engine's collectives (sharding/collectives.py), each collective with its
 adjoint as the backward; the ring's causal zig-zag moves the chunks' halves with two permutes.
