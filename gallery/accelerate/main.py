@@ -145,7 +145,7 @@ def main(argv=None):
             print(json.dumps(r))
     else:
         print(
-            "| backend | step ms (median) | tokens/s | TFLOP/s/device | MFU | programs "
+            "| backend | step ms (median) | programs | tokens/s | TFLOP/s/device | MFU "
             "| first loss | final loss |"
         )
         print("|---|---|---|---|---|---|---|---|")
@@ -153,8 +153,8 @@ def main(argv=None):
             tflops = "–" if r["tflops"] is None else f"{r['tflops']:.3g}"
             mfu = "n/a" if r["mfu"] is None else f"{100 * r['mfu']:.1f}%"
             print(
-                f"| {r['backend']} | {r['step_ms']} | {r['tokens_per_sec']:,} | {tflops} | {mfu} "
-                f"| {r['programs']} | {r['first_loss']} | {r['final_loss']} |"
+                f"| {r['backend']} | {r['step_ms']} | {r['programs']} | {r['tokens_per_sec']:,} "
+                f"| {tflops} | {mfu} | {r['first_loss']} | {r['final_loss']} |"
             )
     return results
 

@@ -21,7 +21,12 @@ from collections.abc import Iterator
 import torch
 from torch.utils.data import DataLoader, DistributedSampler
 
-from torchacc.distributed.data_state import STATE_VERSION, DataStateError, check_state
+from gallery.common.launchlib import torchacc_data_state
+
+_data_state = torchacc_data_state()  # by file: the eager path must not import torchacc
+STATE_VERSION = _data_state.STATE_VERSION
+DataStateError = _data_state.DataStateError
+check_state = _data_state.check_state
 
 __all__ = ["EpochBatches"]
 

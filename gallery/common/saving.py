@@ -68,7 +68,9 @@ def resume_data_position(loader, state, path, step: int, rank: int, logger) -> N
     """Check the checkpoint's data position (``EpochBatches.state_dict``) against this run: the
     same dataset and seed, and the batch the resumed step takes (Note [Data positions] in
     torchacc/distributed/data_state.py). A mismatch exits 2 naming the file."""
-    from torchacc.distributed.data_state import DataStateError
+    from gallery.common.launchlib import torchacc_data_state
+
+    DataStateError = torchacc_data_state().DataStateError
 
     try:
         epoch, offset = loader.load_state_dict(state, source=path)

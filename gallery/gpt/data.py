@@ -22,7 +22,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from torchacc.distributed.data_state import STATE_VERSION, check_state
+from gallery.common.launchlib import torchacc_data_state
+
+_data_state = torchacc_data_state()  # by file: the eager path must not import torchacc
+STATE_VERSION = _data_state.STATE_VERSION
+check_state = _data_state.check_state
 
 __all__ = ["MockTokens", "PackedMockTokens"]
 

@@ -53,7 +53,11 @@ def install():
         with warnings.catch_warnings():
             if mirror:
                 warnings.filterwarnings("ignore", message=_NO_CUDA_WARNING)
-            init(self, device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+            # without CUDA no CUDA tensor can exist: the CUDA side is off (torch would disable it
+            # too, unless a torch_xla module is importable -- torchacc's alias is -- when it
+            # refuses bfloat16 instead), and only the torchacc side casts
+            on_cuda = enabled and not (mirror and not torch.cuda.is_available())
+            init(self, device_type, dtype=dtype, enabled=on_cuda, cache_enabled=cache_enabled)
         # the region's request, before torch disabled it for want of a CUDA device
         self._torchacc_request = (bool(enabled), self.fast_dtype) if mirror else None
 
