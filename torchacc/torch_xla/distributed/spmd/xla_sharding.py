@@ -18,6 +18,7 @@ import torch
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.sharding import api as engine
 from torchacc.torch_xla._api import differs, not_implemented
+from torchacc.torch_xla.distributed.spmd import _mesh as _mesh_module
 
 # meshes (Mesh, HybridMesh, the global mesh) live in _mesh.py; xs.* names them from here
 from torchacc.torch_xla.distributed.spmd._mesh import (  # noqa: F401
@@ -32,6 +33,9 @@ from torchacc.torch_xla.distributed.spmd._mesh import (  # noqa: F401
     get_global_mesh,
     set_global_mesh,
 )
+
+# a Mesh asks this module's _device_count at call time (Note in _mesh.py: _count_source)
+_mesh_module._count_source[0] = lambda: _device_count()
 
 _MANUAL = (
     "_mark_manual_sharding is not supported; use enable_manual_sharding / "
