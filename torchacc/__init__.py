@@ -47,6 +47,9 @@ from torchacc.nn import rnn as _rnn  # noqa: E402
 
 _rnn.install()  # RNNs' weak references to their weights would block load_state_dict's swap
 _autocast_policy.install()  # torch.autocast('torchacc', ...) works after `import torchacc`
+from torchacc import _after_dynamo  # noqa: E402
+
+_after_dynamo.install()  # torch.compile sees torchacc tensors as tensors, whatever the backend
 
 
 def __getattr__(name):

@@ -6,7 +6,8 @@ programs. Tensors stay where the user keeps them (CPU or CUDA, zero-copy through
 README: "torch.compile backend and whole-step compile".
 
 Importing this package registers the ``"torchacc"`` dynamo backend (an installed torchacc also
-registers it through the ``torch_dynamo_backends`` entry point). The entry point names the function
+registers it through the ``torch_dynamo_backends`` entry point) and teaches dynamo to see
+torchacc-device tensors as tensors (device_tensors.py). The entry point names the function
 ``torchacc.dynamo:backend``, so no submodule may be called ``backend``: importing it would rebind
 the package attribute to the module (the AOTAutograd backend lives in ``aot.py``).
 """
@@ -50,5 +51,10 @@ def _installed_entry_point():
 
 if not _installed_entry_point():
     register()
+
+# dynamo fakes torchacc-device tensors as plain tensors (Note [torch.compile over torchacc tensors])
+from torchacc.dynamo import device_tensors as _device_tensors  # noqa: E402
+
+_device_tensors.install()
 
 __all__ = ["backend", "compile_step", "register"]

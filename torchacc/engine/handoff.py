@@ -12,7 +12,9 @@ layout and the program compiles once), and a mark inside the traced step is a
 holding the program's arrays; state is rebound to its new array (no recorded op, no copy).
 
 The trace-once frontend may not import the lazy one; the lazy frontend registers the three
-functions below when it loads (``torchacc/lazy/transfer.py``).
+functions below and its tensor class when it loads (``torchacc/lazy/transfer.py``). The class is
+what dynamo is told to see as a plain tensor (Note [torch.compile over torchacc tensors] in
+torchacc/dynamo/device_tensors.py).
 """
 
 from __future__ import annotations
@@ -22,11 +24,13 @@ device_type = [None]
 _array_of = [None]  # fn(tensor) -> jax.Array (its pending graph run first)
 _tensor_of = [None]  # fn(array, torch dtype) -> a new device tensor holding ``array``
 _rebind = [None]  # fn(tensor, array): the tensor's data is now ``array``
+tensor_type = [None]  # the torch.Tensor subclass of torchacc-device tensors
 
 
-def register(name, array_of, tensor_of, rebind):
+def register(name, array_of, tensor_of, rebind, cls=None):
     device_type[0] = name
     _array_of[0], _tensor_of[0], _rebind[0] = array_of, tensor_of, rebind
+    tensor_type[0] = cls
 
 
 def is_device_tensor(t):

@@ -50,6 +50,14 @@ class LazyTensor(torch.Tensor):
             return self.detach().item().__format__(format_spec)
         return object.__format__(self, format_spec)
 
+    def __coerce_same_metadata_as_tangent__(self, expected_meta, expected_type=None):
+        # torch.compile: AOTAutograd traced the backward with plain fake tensors on this device
+        # (Note [torch.compile over torchacc tensors] in torchacc/dynamo/device_tensors.py), so a
+        # gradient arriving as a LazyTensor is the plain tensor it expects
+        if expected_meta is None and expected_type in (None, torch.Tensor):
+            return self
+        return None
+
     def __reduce_ex__(self, protocol):
         # torch.save of a device tensor stores its CPU value (like torch_xla's xm.save)
         return torch.Tensor.__reduce_ex__(self.detach().cpu(), protocol)

@@ -101,4 +101,4 @@ def _rebind(t, array):
     st.version += 1
 
 
-handoff.register(DEVICE_TYPE, _array_of, _tensor_of, _rebind)
+handoff.register(DEVICE_TYPE, _array_of, _tensor_of, _rebind, LazyTensor)

@@ -221,6 +221,25 @@ class _Constrain(torch.autograd.Function):
         return grad, None, None
 
 
+def sharding_name(sharding):
+    """The static name a ``torchacc::shard`` node carries for ``sharding`` (its mesh becomes the
+    engine mesh, as ``mark`` makes it)."""
+    from torchacc.sharding import rules
+
+    runtime_mesh.adopt_mesh(sharding.mesh)
+    return rules.name_sharding(sharding)
+
+
+def constrain_traced(t, name):
+    """``mark`` inside a step dynamo or ``make_fx`` traces: ``t`` becomes its constrained value,
+    a ``torchacc::shard`` node for sharding ``name`` (from :func:`sharding_name`, computed
+    outside the trace: Note [torch.compile over torchacc tensors] in
+    torchacc/dynamo/device_tensors.py)."""
+    from torchacc.sharding import rules
+
+    return _constrain_traced(t, name, rules.shard_op)
+
+
 def _constrain_traced(t, name, op):
     """Mark a tensor of a step being traced (a fake tensor): it becomes its constrained value
     in place, so the rest of the step reads the constraint (a leaf that needs a gradient, a

@@ -6,10 +6,11 @@ Counters and timings come from :mod:`torchacc.metrics` (whose names already foll
 ``TransferFromDeviceTime``). torch_xla names for the same ideas are answered too:
 ``CreateCompileHandles`` (executables created: compiled or loaded from the persistent cache),
 ``LazyTracing`` (host time tracing a step = ``TraceTime``), ``TensorToData`` (uploads =
-``TransferToDeviceTime``). As in torch_xla, :func:`metric_data` gives
-``(total_samples, accumulator, [(time, value), ...])`` with times in nanoseconds, and a counter or
-metric that never fired is ``None``. Per-op IR counters (``xla::add``, ``xla::mm``) count the
-nodes recorded per ATen op (torchacc/lazy/op_counters.py).
+``TransferToDeviceTime``), and ``CompileTime`` counts every XLA compile as torch_xla's does: the
+lazy frontend's (``CompileTime``) and ``torch.compile``'s (``DynamoCompileTime``). As in
+torch_xla, :func:`metric_data` gives ``(total_samples, accumulator, [(time, value), ...])`` with
+times in nanoseconds, and a counter or metric that never fired is ``None``. Per-op IR counters
+(``xla::add``, ``xla::mm``) count the nodes recorded per ATen op (torchacc/lazy/op_counters.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,11 @@ from __future__ import annotations
 from torchacc import metrics as _m
 
 COUNTER_ALIASES = {"CreateCompileHandles": ("UncachedCompile", "PersistentCacheHit")}
-METRIC_ALIASES = {"LazyTracing": "TraceTime", "TensorToData": "TransferToDeviceTime"}
+METRIC_ALIASES = {
+    "LazyTracing": ("TraceTime",),
+    "TensorToData": ("TransferToDeviceTime",),
+    "CompileTime": ("CompileTime", "DynamoCompileTime"),
+}
 
 clear_all = _m.clear_all
 clear_counters = _m.clear_counters
@@ -46,13 +51,13 @@ def counter_names():
 
 def metric_names():
     names = _m.metric_names()
-    aliases = [a for a, src in METRIC_ALIASES.items() if src in names]
-    return sorted(names + aliases)
+    aliases = [a for a, src in METRIC_ALIASES.items() if set(src) & set(names)]
+    return sorted(set(names + aliases))
 
 
 def metric_data(name):
     """``(total_samples, accumulator_ns, [(wall_time_ns, value_ns), ...])`` or None."""
-    samples = _m.metric_samples(METRIC_ALIASES.get(name, name))
+    samples = sorted(s for src in METRIC_ALIASES.get(name, (name,)) for s in _m.metric_samples(src))
     if not samples:
         return None
     ns = [(stamp * 1e9, seconds * 1e9) for stamp, seconds in samples]

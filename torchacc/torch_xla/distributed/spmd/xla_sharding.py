@@ -263,7 +263,12 @@ def mark_sharding(t, mesh, partition_spec):
     """Shard ``t`` by ``partition_spec`` over ``mesh``: the layout of a parameter or input, or a
     sharding constraint on an activation (XLA propagates the rest). Returns an
     ``XLAShardedTensor``. Without SPMD mode only an annotation that splits nothing (every
-    axis it names has size 1, e.g. HF Trainer's FSDPv2 mesh of one device) is accepted."""
+    axis it names has size 1, e.g. HF Trainer's FSDPv2 mesh of one device) is accepted.
+    Inside ``torch.compile``: a sharding constraint on ``t`` in the compiled graph (returns
+    ``t``)."""
+    if torch.compiler.is_dynamo_compiling():
+        name = _traced_sharding_name(mesh, tuple(partition_spec), tuple(t.shape))
+        return t if name is None else engine.constrain_traced(t, name)
     t = unwrap_sharded_tensor(t)
     mesh = _mesh_or_global(mesh, "xs.mark_sharding")
     if not engine.is_spmd():
@@ -272,6 +277,22 @@ def mark_sharding(t, mesh, partition_spec):
     sharding = mesh.named_sharding(partition_spec, tuple(t.shape), "xs.mark_sharding")
     engine.mark(t, sharding, "xs.mark_sharding")
     return XLAShardedTensor(t)
+
+
+def _traced_sharding_name(mesh, partition_spec, shape):
+    """The name of the sharding ``mark_sharding`` gives a tensor of ``shape`` while dynamo traces
+    (None: SPMD mode is off and the spec splits nothing). Dynamo calls it once, at trace time, and
+    keeps the result as a constant of the graph (``torch.compiler.assume_constant_result``; the
+    attribute is set directly because the decorator imports ``torch._dynamo``)."""
+    call = "xs.mark_sharding"
+    mesh = _mesh_or_global(mesh, call)
+    if not engine.is_spmd():
+        _check_unsplit(call, torch.empty(shape, device="meta"), mesh, partition_spec)
+        return None
+    return engine.sharding_name(mesh.named_sharding(partition_spec, shape, call))
+
+
+_traced_sharding_name._dynamo_marked_constant = True
 
 
 def _check_unsplit(call, t, mesh, partition_spec):
