@@ -1,20 +1,29 @@
-"""Host cost of a sharded torchacc.compile step vs the same step unsharded (issue 40, part 7).
+"""Host cost of a sharded step vs the same step unsharded on the trace-once frontend (issue 40, 7).
 
 Runs in SPMD mode on 4 CPU devices (``CPU_NUM_DEVICES=4``, set here before JAX starts). One
-model, a stack of ``--layers`` Linear+GELU layers of width ``--width`` with AdamW, trained through
-``torchacc.compile(step)`` in three layouts:
+model, a stack of ``--layers`` Linear+GELU layers of width ``--width`` with AdamW, in two layouts:
 
-- cpu: the model on the CPU (the trace-once frontend's own tensors, flat step buffers), for
-  reference;
 - replicated: the model on the torchacc device in SPMD mode, nothing marked (every array
   replicated over the 4 devices);
 - sharded: the same with FSDPv2 (every parameter's largest dim over the 4 devices) and the batch
-  split over them.
+  split over them;
 
-For each: the wall time of a steady step (the program waited for inside it) and the program's own
-time inside the same steps (launch + XLA:CPU execution, waited for); host = step - program, what
-the frontend adds per step. Medians over ``--repeats`` repeats of ``--steps`` steps. Usage:
-    python benchmarks/dynamo_spmd_host_cost.py [--steps 20] [--repeats 7]
+and through two doors of the trace-once frontend:
+
+- ``compile``: ``torchacc.compile(step)``, the whole step (forward, backward, AdamW) one program;
+- ``torch.compile``: ``torch.compile(model, backend="torchacc")`` (a forward and a backward
+  program), the loss, ``backward()`` and AdamW around it on the lazy frontend, one
+  ``torchacc.sync()`` per step.
+
+The box is shared, so time is CPU time, not wall time, and the layouts are interleaved: each
+repeat runs ``--steps`` steps of every (door, layout) in turn (the order alternating between
+repeats). Per step: thread = the main thread's CPU time (``time.thread_time``: Python, tracing,
+dispatch, launches, and whatever XLA:CPU runs on the calling thread); in-call = the part of it
+spent inside program calls (the trace-once programs and the lazy frontend's launches); host =
+thread - in-call, what the frontend itself costs; process = the whole process's CPU time
+(programs on every thread included). Medians over ``--repeats``; the ratios are medians of the
+per-repeat ratios sharded / replicated. Usage:
+    python benchmarks/dynamo_spmd_host_cost.py [--steps 20] [--repeats 9]
 """
 
 from __future__ import annotations
@@ -30,7 +39,6 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 os.environ.setdefault("CPU_NUM_DEVICES", "4")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -38,22 +46,44 @@ import torch.nn.functional as F  # noqa: E402
 import torchacc  # noqa: E402
 import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
 import torchacc.torch_xla.runtime as xr  # noqa: E402
+from torchacc import metrics  # noqa: E402
+from torchacc.dynamo import aot  # noqa: E402
+from torchacc.engine import execute  # noqa: E402
 from torchacc.torch_xla.experimental.spmd_fully_sharded_data_parallel import (  # noqa: E402
     SpmdFullyShardedDataParallel as FSDPv2,
 )
 
-_inside = [0.0]
+DOORS = ("compile", "torch.compile")
+LAYOUTS = ("replicated", "sharded")
 
 
-def _timed(exe):
-    def run(*args):
-        start = time.perf_counter()
-        out = exe(*args)
-        jax.block_until_ready(out)
-        _inside[0] += time.perf_counter() - start
-        return out
+_inside = [0.0]  # main-thread CPU seconds spent inside program calls
 
-    return run
+
+def _timed(fn):
+    def call(*args):
+        start = time.thread_time()
+        try:
+            return fn(*args)
+        finally:
+            _inside[0] += time.thread_time() - start
+
+    call.timed = True
+    return call
+
+
+def _time_programs(steps):
+    """Wrap every program call: the trace-once frontend's executables and the lazy launches."""
+    if not getattr(execute._launch, "timed", False):
+        execute._launch = _timed(execute._launch)
+    lowered = list(aot._lowered.values())
+    lowered += [p.lowered for s in steps for p in getattr(s, "programs", {}).values()]
+    for low in lowered:
+        for piece in low.pieces:
+            exes = getattr(piece, "_exes", {})
+            for k, exe in exes.items():
+                if not getattr(exe, "timed", False):
+                    exes[k] = _timed(exe)
 
 
 def _model(layers, width):
@@ -64,71 +94,100 @@ def _model(layers, width):
     return torch.nn.Sequential(*mods)
 
 
-def measure(layout, args):
-    model = _model(args.layers, args.width)
+def build(door, layout, args):
+    """A step function of no arguments (its batch bound) for ``door`` in ``layout``, warmed up."""
     mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
-    dev = torch.device("cpu") if layout == "cpu" else torchacc.device()
-    if layout == "sharded":
-        model = FSDPv2(model, mesh)
-    else:
-        model = model.to(dev)
+    model = _model(args.layers, args.width)
+    dev = torchacc.device()
+    model = FSDPv2(model, mesh) if layout == "sharded" else model.to(dev)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    @torchacc.compile
-    def step(x, y):
-        loss = F.mse_loss(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        return loss
-
     x = torch.randn(args.batch, args.width).to(dev)
     y = torch.randn(args.batch, args.width).to(dev)
     if layout == "sharded":
         xs.mark_sharding(x, mesh, ("fsdp", None))
         xs.mark_sharding(y, mesh, ("fsdp", None))
-    for _ in range(3):  # eager step, trace + compile, one steady step
-        step(x, y)
+
+    if door == "compile":
+
+        @torchacc.compile
+        def compiled(x, y):
+            loss = F.mse_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            return loss
+
+        def step():
+            return compiled(x, y)
+
+        step.programs = compiled._programs
+
+    else:
+        cm = torch.compile(model, backend="torchacc")
+
+        def step():
+            loss = F.mse_loss(cm(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torchacc.sync()
+            return loss
+
+    for _ in range(4):  # eager/trace/compile steps, then steady ones
+        step()
     torchacc.sync(wait=True)
-    (prog,) = step._programs.values()
-    piece = prog.lowered.pieces[0]
-    piece._exes = {k: _timed(e) for k, e in piece._exes.items()}
-    walls, progs = [], []
-    for _ in range(args.repeats):
-        _inside[0] = 0.0
-        start = time.perf_counter()
-        for _ in range(args.steps):
-            loss = step(x, y)
-        if layout != "cpu":
-            torchacc.sync(wait=True)
-        walls.append((time.perf_counter() - start) / args.steps)
-        progs.append(_inside[0] / args.steps)
-    float(loss)
-    wall, program = statistics.median(walls), statistics.median(progs)
-    return wall, program, statistics.median([w - p for w, p in zip(walls, progs)])
+    return step
+
+
+def run_block(step, steps):
+    """(thread, in-call, process) CPU seconds per step over ``steps`` steps, programs waited for."""
+    _inside[0] = 0.0
+    t0, p0 = time.thread_time(), time.process_time()
+    for _ in range(steps):
+        loss = step()
+    torchacc.sync(wait=True)
+    float(loss.detach())
+    thread, process = time.thread_time() - t0, time.process_time() - p0
+    return thread / steps, _inside[0] / steps, process / steps
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--width", type=int, default=64)
     ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--doors", nargs="*", default=list(DOORS), choices=DOORS)
     args = ap.parse_args()
     torch.set_num_threads(1)
     xr.use_spmd()
-    rows = {}
-    for layout in ("cpu", "replicated", "sharded"):
-        rows[layout] = measure(layout, args)
-        wall, program, host = rows[layout]
+    steps = {(d, lay): build(d, lay, args) for d in args.doors for lay in LAYOUTS}
+    _time_programs(steps.values())
+    compiles = metrics.counter_value("DynamoCompile")
+    cells = {k: [] for k in steps}
+    order = list(steps)
+    for r in range(args.repeats):
+        for key in order if r % 2 == 0 else reversed(order):
+            cells[key].append(run_block(steps[key], args.steps))
+    assert metrics.counter_value("DynamoCompile") == compiles, "a timed step compiled"
+    med = statistics.median
+    for door in args.doors:
+        rep, shd = cells[(door, "replicated")], cells[(door, "sharded")]
+        for layout, rows in (("replicated", rep), ("sharded", shd)):
+            thread, inside, proc = (med(r[i] for r in rows) for i in range(3))
+            host = med(r[0] - r[1] for r in rows)
+            print(
+                f"{door:14} {layout:10} host {host * 1e3:7.3f} ms  thread {thread * 1e3:7.3f} ms"
+                f"  in-call {inside * 1e3:7.3f} ms  process {proc * 1e3:7.3f} ms"
+            )
+        host = med((s[0] - s[1]) / (r[0] - r[1]) for s, r in zip(shd, rep))
+        thread = med(s[0] / r[0] for s, r in zip(shd, rep))
+        proc = med(s[2] / r[2] for s, r in zip(shd, rep))
         print(
-            f"{layout:10} step {wall * 1e3:7.3f} ms  program {program * 1e3:7.3f} ms  "
-            f"host {host * 1e3:7.3f} ms",
-            flush=True,
+            f"{door:14} sharded / replicated: host {host:.3f}x  thread {thread:.3f}x  "
+            f"process {proc:.3f}x"
         )
-    ratio = rows["sharded"][2] / rows["replicated"][2]
-    print(f"host sharded / replicated = {ratio:.3f}x")
 
 
 if __name__ == "__main__":

@@ -47,5 +47,5 @@ def shard_batch(t, jmesh, batch_axes):
     """Constrain tensor ``t`` to be split by batch (dim 0) over ``batch_axes``."""
     if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
         spec = batch_spec(t.dim(), batch_axes)
-        engine.mark(t, engine.named_sharding(jmesh, spec, tuple(t.shape), "fsdp output"))
+        engine.mark_spec(t, jmesh, spec, "fsdp output")
     return t

@@ -121,14 +121,14 @@ def split_batch(t, owner, matrix, axes=None):
             f"into {size} data-parallel slices ({matrix})"
         )
     spec = (axes[0] if len(axes) == 1 else tuple(axes),) + (None,) * (t.dim() - 1)
-    engine.mark(t, engine.named_sharding(matrix.mesh, spec, tuple(t.shape), owner), owner)
+    engine.mark_spec(t, matrix.mesh, spec, owner)
     return t
 
 
 def constrain(t, spec, owner, matrix):
     """A sharding constraint (or a reshard of a computed tensor) on activation ``t``."""
     if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE:
-        engine.mark(t, engine.named_sharding(matrix.mesh, spec, tuple(t.shape), owner), owner)
+        engine.mark_spec(t, matrix.mesh, spec, owner)
     return t
 
 

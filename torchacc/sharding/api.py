@@ -221,23 +221,47 @@ class _Constrain(torch.autograd.Function):
         return grad, None, None
 
 
-def sharding_name(sharding):
-    """The static name a ``torchacc::shard`` node carries for ``sharding`` (its mesh becomes the
-    engine mesh, as ``mark`` makes it)."""
+def mark_spec(t, mesh, spec, call="mark_sharding"):
+    """``mark(t, named_sharding(mesh, spec, t.shape, call), call)``; also inside
+    ``torch.compile`` (see :func:`constrain_traced`)."""
+    if torch.compiler.is_dynamo_compiling():
+        return constrain_traced(t, named_sharding, mesh, spec, tuple(t.shape), call)
+    return mark(t, named_sharding(mesh, spec, tuple(t.shape), call), call)
+
+
+def constrain_traced(t, build, *args):
+    """``mark`` while dynamo traces a step (``torch.compile``): ``t`` becomes its value
+    constrained to the sharding ``build(*args)`` returns (None: leave ``t`` as it is). Dynamo
+    cannot trace JAX's Python, so it calls ``build`` once, at trace time, through
+    :func:`_sharding_name` (``torch.compiler.assume_constant_result``: its arguments are passed
+    as they are, guarded by identity) and the graph keeps the sharding's name as a constant of a
+    ``torchacc::shard`` node (Note [torch.compile over torchacc tensors] in
+    torchacc/dynamo/device_tensors.py)."""
+    name = _sharding_name(build, *args)
+    if name is None:
+        return t
+    return _constrain_traced(t, name, _shard_op())
+
+
+def _sharding_name(build, *args):
     from torchacc.sharding import rules
 
+    sharding = build(*args)
+    if sharding is None:
+        return None
     runtime_mesh.adopt_mesh(sharding.mesh)
     return rules.name_sharding(sharding)
 
 
-def constrain_traced(t, name):
-    """``mark`` inside a step dynamo or ``make_fx`` traces: ``t`` becomes its constrained value,
-    a ``torchacc::shard`` node for sharding ``name`` (from :func:`sharding_name`, computed
-    outside the trace: Note [torch.compile over torchacc tensors] in
-    torchacc/dynamo/device_tensors.py)."""
+# dynamo evaluates it at trace time (what torch.compiler.assume_constant_result sets; the
+# decorator itself would import torch._dynamo with torchacc)
+_sharding_name._dynamo_marked_constant = True
+
+
+def _shard_op():
     from torchacc.sharding import rules
 
-    return _constrain_traced(t, name, rules.shard_op)
+    return rules.shard_op
 
 
 def _constrain_traced(t, name, op):

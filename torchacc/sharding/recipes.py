@@ -169,7 +169,7 @@ def _constrain(t, dim, mesh, axis):
     spec = [None] * t.dim()
     if dim is not None:
         spec[dim % t.dim()] = axis
-    return sharding.mark(t, sharding.named_sharding(mesh, spec, tuple(t.shape), "tp layout"))
+    return sharding.mark_spec(t, mesh, spec, "tp layout")
 
 
 def _hooks(module, in_dim, out_dim, mesh, axis):

@@ -36,6 +36,10 @@ def _default_shard_output(output, mesh, extra_data_axis=None):
             "shard_output=callable(output, mesh)"
         )
     axes = "fsdp" if extra_data_axis is None else (extra_data_axis, "fsdp")
+    if torch.compiler.is_dynamo_compiling():  # torch.compile: a constraint in the graph
+        if real.device.type == DEVICE_TYPE and real.dim() > 0:
+            xs.mark_sharding(real, mesh, fsdp.batch_spec(real.dim(), axes))
+        return
     fsdp.shard_batch(real, mesh.get_jax_mesh(), axes)
 
 

@@ -267,8 +267,8 @@ def mark_sharding(t, mesh, partition_spec):
     Inside ``torch.compile``: a sharding constraint on ``t`` in the compiled graph (returns
     ``t``)."""
     if torch.compiler.is_dynamo_compiling():
-        name = _traced_sharding_name(mesh, tuple(partition_spec), tuple(t.shape))
-        return t if name is None else engine.constrain_traced(t, name)
+        spec = tuple(partition_spec)
+        return engine.constrain_traced(t, _traced_sharding, mesh, spec, tuple(t.shape))
     t = unwrap_sharded_tensor(t)
     mesh = _mesh_or_global(mesh, "xs.mark_sharding")
     if not engine.is_spmd():
@@ -279,20 +279,15 @@ def mark_sharding(t, mesh, partition_spec):
     return XLAShardedTensor(t)
 
 
-def _traced_sharding_name(mesh, partition_spec, shape):
-    """The name of the sharding ``mark_sharding`` gives a tensor of ``shape`` while dynamo traces
-    (None: SPMD mode is off and the spec splits nothing). Dynamo calls it once, at trace time, and
-    keeps the result as a constant of the graph (``torch.compiler.assume_constant_result``; the
-    attribute is set directly because the decorator imports ``torch._dynamo``)."""
+def _traced_sharding(mesh, partition_spec, shape):
+    """The sharding ``mark_sharding`` gives a tensor of ``shape`` while dynamo traces (None: SPMD
+    mode is off and the spec splits nothing); called at trace time (``engine.constrain_traced``)."""
     call = "xs.mark_sharding"
     mesh = _mesh_or_global(mesh, call)
     if not engine.is_spmd():
         _check_unsplit(call, torch.empty(shape, device="meta"), mesh, partition_spec)
         return None
-    return engine.sharding_name(mesh.named_sharding(partition_spec, shape, call))
-
-
-_traced_sharding_name._dynamo_marked_constant = True
+    return mesh.named_sharding(partition_spec, shape, call)
 
 
 def _check_unsplit(call, t, mesh, partition_spec):
