@@ -159,3 +159,109 @@ def test_compile_step_fsdpv2_matches_lazy():
         losses, graphs = _train(model, fn, _batches(5), mesh, ("fsdp", None))
         runs.append((model, opt, losses, graphs, specs))
     _check(runs)
+
+
+# --- torch.compile(model, backend="torchacc") over sharded tensors --------------------------
+# (Note [torch.compile over torchacc tensors] in torchacc/dynamo/device_tensors.py)
+
+
+def _fit(model, batches, forward=None, device=DEV, mesh=None):
+    """AdamW training of ``model`` on ``batches``: losses, programs built per step, params."""
+    forward = model if forward is None else forward
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, graphs = [], []
+    for x, y in batches:
+        x, y = x.to(device), y.to(device)
+        if mesh is not None:
+            xs.mark_sharding(x, mesh, ("fsdp", None))
+        before = new_graphs() + (metrics.counter_value("DynamoCompile") or 0)
+        loss = F.mse_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if device != "cpu":
+            torchacc.sync()
+        losses.append(loss.item())
+        graphs.append(new_graphs() + (metrics.counter_value("DynamoCompile") or 0) - before)
+    return losses, graphs, [p.detach().cpu() for p in model.parameters()]
+
+
+def test_torch_compile_fsdp_matches_lazy_and_eager_and_compiles_once():
+    mesh = xs.Mesh(np.arange(4), (4, 1), ("fsdp", "model"))
+    batches = _batches(5)
+    eager = _fit(_mlp(), batches, device="cpu")
+    lazy = _fit(FSDPv2(_mlp().to(DEV), mesh), batches, mesh=mesh)
+    metrics.clear_all()
+    model = FSDPv2(_mlp().to(DEV), mesh)
+    specs = _specs(model)
+    compiled = _fit(model, batches, torch.compile(model, backend="torchacc"), mesh=mesh)
+    for other in (eager, lazy):
+        assert max(abs(a - b) for a, b in zip(compiled[0], other[0])) <= 1e-5, (compiled, other)
+        for p, q in zip(compiled[2], other[2]):
+            assert (p - q).abs().max().item() <= 1e-5
+    # one dynamo graph (FSDPv2's output constraint inside it), a forward and a backward program,
+    # nothing new after step 2; the model never ran on the lazy frontend
+    assert metrics.counter_value("DynamoGraph") == 1
+    assert not metrics.counter_value("DynamoRecompile")
+    assert metrics.counter_value("DynamoCompile") == 2
+    assert compiled[1][2:] == [0, 0, 0], compiled[1]
+    assert not metrics.counter_value("DynamoLazyFallback")
+    assert not metrics.counter_value("xla::linear") and not metrics.counter_value("xla::gelu")
+    assert _specs(model) == specs  # parameters (updated on the lazy frontend) keep their layouts
+    # the backward program's gradients come out laid out as their parameters (XLA's propagation)
+    x = batches[0][0].to(DEV)
+    xs.mark_sharding(x, mesh, ("fsdp", None))
+    torch.compile(model, backend="torchacc")(x).sum().backward()
+    assert [_XLAC._get_xla_sharding_spec(p.grad) for p in model.parameters()] == specs
+
+
+def test_torch_compile_mark_sharding_inside_is_a_constraint():
+    from torchacc.dynamo import aot
+    from torchacc.sharding.rules import shard_op
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = _mlp().to(DEV)
+            _mark_2d(self.net, mesh)
+
+        def forward(self, x):
+            h = self.net[0](x)
+            xs.mark_sharding(h, mesh, ("data", "model"))
+            return self.net[2](self.net[1](h))
+
+    batches = _batches(4)
+    lazy = _fit(Block(), batches)
+    aot._lowered.clear()
+    metrics.clear_all()
+    model = Block()
+    out = _fit(model, batches, torch.compile(model, backend="torchacc"))
+    assert max(abs(a - b) for a, b in zip(out[0], lazy[0])) <= 1e-5, (out[0], lazy[0])
+    assert metrics.counter_value("DynamoGraph") == 1 and out[1][2:] == [0, 0]
+    (forward,) = [low for low in aot._lowered.values() if low.name == "forward"]
+    assert sum(n.target is shard_op for n in forward.gm.graph.nodes) == 1
+
+
+def test_openxla_backend_and_dynamo_mark_sharding_through_the_alias():
+    import torchacc.alias  # noqa: F401  (torch's "openxla" backend imports torch_xla's bridge)
+
+    mesh = xs.Mesh(np.arange(4), (1, 4))
+    ids, shape = mesh.device_ids.tolist(), list(mesh.mesh_shape)
+    x = torch.randn(8, 16).to(DEV)
+
+    def fn(t):
+        h = t * 2 + 1
+        torch.ops.xla.dynamo_mark_sharding(h, ids, shape, str(mesh.axis_names), "(1, 0)")
+        return h.sum(0)
+
+    metrics.clear_all()
+    got = torch.compile(fn, backend="openxla")(x)
+    assert torch.allclose(got.cpu(), fn(x).cpu())
+    assert metrics.counter_value("DynamoExtractCompiledGraph") == 1
+    assert metrics.counter_value("DynamoCompile") == 1
+    # eagerly, the op marks its input as xs.mark_sharding does
+    w = torch.randn(16, 8).to(DEV)
+    torch.ops.xla.dynamo_mark_sharding(w, ids, shape, str(mesh.axis_names), "(1, 0)")
+    assert _XLAC._get_xla_sharding_spec(w) == "{devices=[4,1]0,1,2,3}"

@@ -92,11 +92,20 @@ def lower_graph(gm, example_inputs, name):
 
 
 def _fw(gm, example_inputs):
-    return lower_graph(gm, example_inputs, "forward")
+    compiled = lower_graph(gm, example_inputs, "forward")
+    ctx = torch._guards.TracingContext.try_get()
+    if ctx is not None:  # the backward compiles (lazily) under this same context
+        ctx._torchacc_forward = compiled
+    return compiled
 
 
 def _bw(gm, example_inputs):
-    return lower_graph(gm, example_inputs, "backward")
+    compiled = lower_graph(gm, example_inputs, "backward")
+    ctx = torch._guards.TracingContext.try_get()
+    forward = getattr(ctx, "_torchacc_forward", None)
+    if forward is not None and compiled._grad_src is None:
+        compiled.grads_of(forward)  # SPMD: gradients laid out as their inputs
+    return compiled
 
 
 def _inference(gm, example_inputs):

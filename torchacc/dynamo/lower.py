@@ -206,7 +206,7 @@ class JaxPiece:
 
         return program
 
-    def executable(self, statics, key, arrays):
+    def executable(self, statics, key, arrays, out_shardings=None):
         exe = self._exes.get(statics)
         if exe is not None:
             return exe
@@ -220,8 +220,12 @@ class JaxPiece:
         start = time.perf_counter()
         if self.collective:
             exe = collective.compile(self.function(statics), key, *arrays)
-        elif self.out_like is not None:  # Note [Device tensors in a trace-once program]
-            outs = [None if j is None else arrays[j].sharding for j in self.out_like]
+        elif self.out_like is not None or out_shardings is not None:
+            # Note [Device tensors in a trace-once program]; None: XLA's propagation decides
+            outs = list(out_shardings or [None] * len(self.seg.outputs))
+            for i, j in enumerate(self.out_like or ()):
+                if j is not None and outs[i] is None:
+                    outs[i] = arrays[j].sharding
             jitted = jax.jit(self.function(statics), out_shardings=outs)
             exe = jitted.lower(key, *arrays).compile()
         else:
@@ -318,6 +322,8 @@ class Lowered:
         # (on the device, results are fresh contiguous tensors: nothing to fix, no op to record)
         self._post = [] if self.on_device else _output_fixups(self.outs, self.placeholders)
         self._fast = len(self.pieces) == 1 and isinstance(self.pieces[0], JaxPiece)
+        self.last_in = None  # SPMD: the argument shardings of the latest call (a forward's)
+        self._grad_src = None  # SPMD: (forward Lowered, per program output its argument there)
         if self._fast:
             self._prepare_fast()
 
@@ -371,6 +377,25 @@ class Lowered:
                 like[x] = position[ph]
         piece.out_like = like
 
+    def grads_of(self, forward):
+        """SPMD, a backward graph: its outputs are the gradients of AOTAutograd forward graph
+        ``forward``'s inputs (its primals, in order); each comes out laid out as its input was at
+        the latest forward call (a parameter's FSDP shard), not as XLA's propagation would leave
+        it (a bias's gradient, a sum over the sharded batch, replicated). One executable per set
+        of those shardings (Note [torch.compile over torchacc tensors])."""
+        if not (self.on_device and self._fast and forward.on_device and forward._fast):
+            return
+        primals = forward.placeholders
+        if len(self.outs) != len(primals) or not all(p.name.startswith("primals") for p in primals):
+            return  # not the layout this mapping knows
+        position = {ph: k for k, ph in enumerate(forward._fast_dynamic)}
+        src = [None] * len(self.pieces[0].seg.outputs)
+        for i, (kind, x) in enumerate(self._plan):
+            if kind == "prog" and src[x] is None:
+                src[x] = position.get(i)
+        if any(k is not None for k in src):
+            self._grad_src = (forward, src)
+
     def __call__(self, *args):
         # boxed (one list, cleared) or, behind dynamo's disable() wrapper, unboxed arguments
         args = args[0] if len(args) == 1 and type(args[0]) is list else list(args)
@@ -386,10 +411,17 @@ class Lowered:
         arrays = [_to_jax(args[i], device) for i in self._fast_dynamic]
         if piece.dynamic:
             statics += tuple([a.shape for a in arrays])
+        targets = None
         if self.on_device:  # one executable per set of argument shardings
-            statics += tuple([a.sharding for a in arrays])
+            shardings = tuple([a.sharding for a in arrays])
+            statics += shardings
+            self.last_in = shardings
+            if self._grad_src is not None and self._grad_src[0].last_in is not None:
+                last, src = self._grad_src[0].last_in, self._grad_src[1]
+                targets = tuple([None if k is None else last[k] for k in src])
+                statics += (targets,)
         key = piece.new_key()
-        exe = piece._exes.get(statics) or piece.executable(statics, key, arrays)
+        exe = piece._exes.get(statics) or piece.executable(statics, key, arrays, targets)
         if launch_hook is not None:
             launch_hook(exe, key, arrays)
         outs = exe(key, *arrays)
