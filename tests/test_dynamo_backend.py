@@ -101,6 +101,38 @@ def test_mlp_trains_like_eager_without_recompiles():
     assert count("DynamoExecute") == 10
 
 
+def test_torchacc_device_tensors_compile_into_programs_and_train_like_eager():
+    """Tensors on the torchacc device (one device, no SPMD): dynamo fakes them as plain tensors of
+    that device, so the model becomes a forward and a backward program instead of running op by
+    op on the lazy frontend (Note [torch.compile over torchacc tensors]); SGD and the loss run
+    on the lazy frontend around them."""
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(6, 8, generator=g), torch.randn(6, 4, generator=g)) for _ in range(3)]
+    ref = models.MLP()
+    dev = torchacc.device()
+    model = copy.deepcopy(ref).to(dev)
+    compiled = torch.compile(model, backend="torchacc")
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step, (x, y) in enumerate(batches):
+        losses = []
+        for net, opt, d in ((compiled, opts[0], dev), (ref, opts[1], "cpu")):
+            loss = F.mse_loss(net(x.to(d)), y.to(d))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) <= 1e-5, (step, losses)
+        if step == 0:
+            first = {name: count(name) for name in COUNTERS}
+    assert_no_recompiles(first)
+    assert count("DynamoExecute") == 6
+    assert not count("DynamoLazyFallback")
+    assert not count("xla::linear") and not count("xla::gelu") and not count("xla::tanh")
+    for p, q in zip(model.parameters(), ref.parameters()):
+        assert torch.allclose(p.detach().cpu(), q.detach(), atol=1e-5)
+
+
 def test_cnn_with_batchnorm_updates_running_stats():
     torch.manual_seed(0)
     g = torch.Generator().manual_seed(2)
