@@ -39,6 +39,7 @@ from torch import fx
 
 from torchacc import metrics
 from torchacc.dynamo import bridge, collective
+from torchacc.dynamo.fixups import output_fixups
 from torchacc.engine import handoff
 from torchacc.lowering import lookup, scan_rewrites
 from torchacc.lowering.fx_calling import (
@@ -320,7 +321,7 @@ class Lowered:
             op_name(n.target) for s in segments if s.kind == "eager" for n in s.nodes
         ]
         # (on the device, results are fresh contiguous tensors: nothing to fix, no op to record)
-        self._post = [] if self.on_device else _output_fixups(self.outs, self.placeholders)
+        self._post = [] if self.on_device else output_fixups(self.outs, self.placeholders)
         self._fast = len(self.pieces) == 1 and isinstance(self.pieces[0], JaxPiece)
         self.last_in = None  # SPMD: the argument shardings of the latest call (a forward's)
         self._grad_src = None  # SPMD: (forward Lowered, per program output its argument there)
@@ -534,49 +535,3 @@ def _graph_device(placeholders, graph):
             ):
                 return t.device
     return torch.device("cpu")
-
-
-def _output_fixups(outs, placeholders):
-    """Per output position, a function restoring eager semantics the program cannot express:
-    the meta strides (XLA results are row-major) and distinct memory for a repeated output."""
-    fixes = []
-    seen = set()
-    for i, o in enumerate(outs):
-        if not isinstance(o, fx.Node) or o in placeholders:
-            continue
-        v = _val(o)
-        if o in seen:
-            fixes.append((i, _clone))
-            continue
-        seen.add(o)
-        if isinstance(v, torch.Tensor) and v.dim() > 1 and _needs_strides(v):
-            fixes.append((i, _restride(tuple(v.stride()))))
-    return fixes
-
-
-def _needs_strides(v):
-    try:
-        shape = [int(s) for s in v.shape]
-        stride = [int(s) for s in v.stride()]
-    except (TypeError, ValueError):
-        return False
-    expected, acc = [], 1
-    for s in reversed(shape):
-        expected.append(acc)
-        acc *= max(s, 1)
-    expected.reverse()
-    return any(a != b for a, b, n in zip(stride, expected, shape) if n > 1)
-
-
-def _clone(t):
-    return t.clone() if isinstance(t, torch.Tensor) else t
-
-
-def _restride(stride):
-    def fix(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        out = torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device)
-        return out.copy_(t)
-
-    return fix
