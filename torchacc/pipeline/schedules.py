@@ -18,15 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
-SCHEDULES = ("1f1b", "gpipe")
+SCHEDULES = ("1f1b", "gpipe", "forward")  # "forward": the loss only, no gradients
 
 
 @dataclass(frozen=True)
 class Plan:
     """What a pipeline step needs, all static.
 
-    ``stage_fns[k](params, shared, bnd_in, data, key) -> list``: stage k's JAX function; it
-    returns the boundary tensors it hands on (the last stage: ``[loss]``).
+    ``stage_fns[k](params, shared, consts, bnd_in, data, key) -> list``: stage k's JAX
+    function; it returns the boundary tensors it hands on (the last stage: ``[loss]``).
+    ``shared``: parameters several stages read (replicated over pp); ``consts``: buffers.
     ``params[k]``: per parameter of stage k, ``(group, offset, shape)`` in its packed group.
     ``groups``: per packed group, ``(dtype, width)``: the array is ``[stages, width]``.
     ``boundaries[k]``: the ``(shape, dtype)`` of what stage k hands stage k + 1.
@@ -115,13 +116,13 @@ def _stage_runner(plan, buf_dtypes):
     last = plan.n_stages - 1
 
     def branch(k):
-        def run(local, shared, bufs, data, key):
+        def run(local, shared, consts, bufs, data, key):
             params = [
                 local[g][o : o + math.prod(shape)].reshape(shape)
                 for g, o, shape in plan.params[k]
             ]
             bnd_in = _unpack(plan.boundaries[k - 1], bufs, buf_dtypes) if k else []
-            out = plan.stage_fns[k](params, shared, bnd_in, data, key)
+            out = plan.stage_fns[k](params, shared, consts, bnd_in, data, key)
             if k == last:
                 res = _zero_bufs(buf_dtypes), out[0].astype(jnp.float32).reshape(())
             else:
@@ -132,8 +133,8 @@ def _stage_runner(plan, buf_dtypes):
 
     branches = [branch(k) for k in range(plan.n_stages)]
 
-    def run(s, local, shared, bufs, data, key):
-        return jax.lax.switch(s, branches, local, shared, bufs, data, key)
+    def run(s, local, shared, consts, bufs, data, key):
+        return jax.lax.switch(s, branches, local, shared, consts, bufs, data, key)
 
     return run
 
@@ -158,7 +159,7 @@ def _gpipe_losses(plan, run, buf_dtypes):
     S, M = plan.n_stages, plan.n_micro
     fwd_perm = [(i, i + 1) for i in range(S - 1)]
 
-    def body(local, shared, data, key):
+    def body(local, shared, consts, data, key):
         s = jax.lax.axis_index(plan.axis)
 
         def tick(carry, t):
@@ -166,7 +167,7 @@ def _gpipe_losses(plan, run, buf_dtypes):
             m = t - s
             valid = (m >= 0) & (m < M)
             mc = jnp.clip(m, 0, M - 1)
-            out, loss = run(s, local, shared, bufs, _micro(data, mc), _key(key, mc, s))
+            out, loss = run(s, local, shared, consts, bufs, _micro(data, mc), _key(key, mc, s))
             acc = acc + jnp.where(valid, loss, 0.0)
             bufs = [jax.lax.ppermute(b, plan.axis, fwd_perm) for b in out]
             return (bufs, acc), None
@@ -189,10 +190,11 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
     bwd_perm = [(i + 1, i) for i in range(S - 1)]
     last = S - 1
 
-    def body(local, shared, data, key):
+    def body(local, shared, consts, data, key):
         s = jax.lax.axis_index(plan.axis)
         zeros = _zero_bufs(buf_dtypes)
         axes = _manual(plan)
+        floats = [i for i, (d, _) in enumerate(buf_dtypes) if jnp.issubdtype(d, jnp.floating)]
         # per-device values from here: each tick's VJP gives this device's own gradient (no
         # implicit psum); the sums over devices run once, after the loop
         local, shared = _varying((local, shared), axes)
@@ -203,7 +205,9 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
             mf = t - s
             fvalid = (mf >= 0) & (mf < M)
             mfc = jnp.clip(mf, 0, M - 1)
-            out, loss = run(s, local, shared, fbufs, _micro(data, mfc), _key(key, mfc, s))
+            out, loss = run(
+                s, local, shared, consts, fbufs, _micro(data, mfc), _key(key, mfc, s)
+            )
             acc = acc + jnp.where(fvalid, loss, 0.0)
             slot = mfc % K
             stash = [
@@ -220,12 +224,18 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
             x_in = [jax.lax.dynamic_index_in_dim(st, mbc % K, 0, False) for st in stash]
             data_b, key_b = _micro(data, mbc), _key(key, mbc, s)
 
-            def f(lp, sp, xb):
-                return run(s, lp, sp, xb, data_b, key_b)
+            def f(lp, sp, xf):  # differentiable in the float buffers only
+                xb = list(x_in)
+                for i, x in zip(floats, xf):
+                    xb[i] = x
+                return run(s, lp, sp, consts, xb, data_b, key_b)
 
-            _, pull = jax.vjp(f, local, shared, x_in)
+            _, pull = jax.vjp(f, local, shared, [x_in[i] for i in floats])
             seed = jnp.where(bvalid & (s == last), scale, 0.0).astype(jnp.float32)
-            cot = _varying(([jnp.where(bvalid, b, jnp.zeros_like(b)) for b in bbufs], seed), axes)
+            out_cot = [jnp.zeros((w,), d) for d, w in buf_dtypes]
+            for i, b in zip(floats, bbufs):
+                out_cot[i] = jnp.where(bvalid, b, jnp.zeros_like(b))
+            cot = _varying((out_cot, seed), axes)
             dl, dsh, dx = pull(cot)
             g_local = [g + jnp.where(bvalid, d, 0).astype(g.dtype) for g, d in zip(g_local, dl)]
             g_shared = [
@@ -237,7 +247,7 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
 
         init = _varying((
             zeros,
-            zeros,
+            [zeros[i] for i in floats],
             [jnp.zeros((K, w), d) for d, w in buf_dtypes],
             [jnp.zeros_like(x) for x in local],
             [jnp.zeros_like(x) for x in shared],
@@ -290,26 +300,28 @@ def make_step(plan):
         return jax.shard_map(
             body,
             mesh=mesh,
-            in_specs=(P(axis, fsdp), P(), data_specs(data), P()),
+            in_specs=(P(axis, fsdp), P(), P(), data_specs(data), P()),
             out_specs=out_specs,
             axis_names=manual,
         )
 
     scale = 1.0 / (M * n_batch)
 
-    if plan.schedule == "gpipe":
+    if plan.schedule in ("gpipe", "forward"):
         body = _gpipe_losses(plan, run, buf_dtypes)
 
-        def local_body(packed, shared, data, key):
-            return body(gather(packed), shared, data, key)
+        def local_body(packed, shared, consts, data, key):
+            return body(gather(packed), shared, consts, data, key)
 
-        def step(packed, shared, data, key):
+        def step(packed, shared, consts, data, key):
             data = micro_batches(data)
             losses = region(local_body, P(every), data)
 
             def total(packed, shared):
-                return losses(packed, shared, data, key).sum() * scale
+                return losses(packed, shared, consts, data, key).sum() * scale
 
+            if plan.schedule == "forward":
+                return total(packed, shared)
             loss, (gp, gs) = jax.value_and_grad(total, argnums=(0, 1))(packed, shared)
             return loss, gp, gs
 
@@ -318,8 +330,8 @@ def make_step(plan):
     body = _one_f_one_b(plan, run, buf_dtypes, scale)
     others = tuple(a for a in batch if a != fsdp)
 
-    def local_body(packed, shared, data, key):
-        acc, g_local, g_shared = body(gather(packed), shared, data, key)
+    def local_body(packed, shared, consts, data, key):
+        acc, g_local, g_shared = body(gather(packed), shared, consts, data, key)
         if others:
             g_local = [jax.lax.psum(g, others) for g in g_local]
         if fsdp:
@@ -327,10 +339,10 @@ def make_step(plan):
         g_shared = [jax.lax.psum(g, tuple(manual)) for g in g_shared]
         return acc, [g[None] for g in g_local], g_shared
 
-    def step(packed, shared, data, key):
+    def step(packed, shared, consts, data, key):
         data = micro_batches(data)
         fused = region(local_body, (P(every), P(axis, fsdp), P()), data)
-        losses, gp, gs = fused(packed, shared, data, key)
+        losses, gp, gs = fused(packed, shared, consts, data, key)
         return losses.sum() * scale, gp, gs
 
     return step
