@@ -69,6 +69,7 @@ class PipelineModule(torch.nn.Module):
         fsdp=1,
         topology=("dp", "fsdp", "pp"),
         dp=None,
+        autocast=None,
     ):
         torch.nn.Module.__init__(self)
         if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
@@ -86,6 +87,7 @@ class PipelineModule(torch.nn.Module):
         if mesh is not None:
             self._fsdp = int(dict(mesh.shape).get("fsdp", 1))
         self._signature = inspect.signature(model.forward)
+        self._autocast_default = autocast  # Config.compute.bf16/fp16 through accelerate
         self._pack(model)
         self._steps: dict = {}
         self._placed = False
@@ -308,7 +310,7 @@ class PipelineModule(torch.nn.Module):
             for n, v in named
         ]
         tensors = [v for _, v in named if isinstance(v, torch.Tensor)]
-        autocast = _autocast_dtype()
+        autocast = _autocast_dtype() or self._autocast_default
         key = (
             tuple((n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, repr(v))
                   for n, v in named),

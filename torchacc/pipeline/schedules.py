@@ -161,6 +161,9 @@ def _gpipe_losses(plan, run, buf_dtypes):
 
     def body(local, shared, consts, data, key):
         s = jax.lax.axis_index(plan.axis)
+        # per-device values from here, so that the backward's sums over devices (the transpose
+        # of this cast) run once, here, not inside a stage's branch
+        local, shared = _varying((local, shared), _manual(plan))
 
         def tick(carry, t):
             bufs, acc = carry
