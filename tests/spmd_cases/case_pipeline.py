@@ -12,8 +12,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torchacc as ta  # noqa: E402
 from compile_counts import new_graphs  # noqa: E402
+
+import torchacc as ta  # noqa: E402
 from torchacc import metrics  # noqa: E402
 from torchacc.pipeline import pipeline_parallel  # noqa: E402
 from torchacc.sharding import api  # noqa: E402
@@ -166,8 +167,11 @@ def test_pp_by_dp_or_fsdp_equals_eager(axis):
     pm = ta.dist.PipelineParallel(model, config)
     assert isinstance(pm, ta.dist.ParallelModule)
     pm.to(ta.device())
-    assert dict(pm.mesh().shape) == {"dp": 2 if axis == "dp" else 1,
-                                     "fsdp": 2 if axis == "fsdp" else 1, "pp": 2}
+    assert dict(pm.mesh().shape) == {
+        "dp": 2 if axis == "dp" else 1,
+        "fsdp": 2 if axis == "fsdp" else 1,
+        "pp": 2,
+    }
     if axis == "fsdp":
         spec = api.sharding_of(pm.packed_0).spec
         assert tuple(spec) == ("pp", "fsdp"), spec

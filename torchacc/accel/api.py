@@ -35,6 +35,9 @@ Order of work (everything is checked before anything happens):
    FSDPv2 and Megatron's column->row Linear pairs through XLA's partitioner
    (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
    ValueError before anything changes);
+   With ``dist.pp.size > 1`` (backend ``'lazy'``) the model is cut into stages on the ``pp``
+   axis of a (dp, fsdp, pp) mesh instead (torchacc/pipeline/): the returned model trains with
+   ``model.forward_backward(...)``; gc and bf16/fp16 apply to its stages;
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
    path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
    rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note

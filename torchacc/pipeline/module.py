@@ -73,8 +73,9 @@ class PipelineModule(torch.nn.Module):
     ):
         torch.nn.Module.__init__(self)
         if isinstance(num_micro_batches, bool) or not isinstance(num_micro_batches, int):
-            raise ValueError(f"pipeline parallel: num_micro_batches must be an int, got "
-                             f"{num_micro_batches!r}")
+            raise ValueError(
+                f"pipeline parallel: num_micro_batches must be an int, got {num_micro_batches!r}"
+            )
         if num_micro_batches < 1:
             raise ValueError(f"pipeline parallel: num_micro_batches={num_micro_batches} < 1")
         sched = schedule_name(schedule)
@@ -122,11 +123,13 @@ class PipelineModule(torch.nn.Module):
                 fill[k, g] = o + p.numel()
         pad = max(1, self._fsdp)
         widths = []
-        for (dtype, _), g in sorted(groups.items(), key=lambda kv: kv[1]):
+        for _, g in sorted(groups.items(), key=lambda kv: kv[1]):
             w = max([fill.get((k, g), 0) for k in range(S)] + [1])
             widths.append(-(-w // pad) * pad)
-        self._groups = [(dtype, rg, widths[g]) for (dtype, rg), g in sorted(groups.items(),
-                                                                          key=lambda kv: kv[1])]
+        self._groups = [
+            (dtype, rg, widths[g])
+            for (dtype, rg), g in sorted(groups.items(), key=lambda kv: kv[1])
+        ]
         self._layout = layout
         by_name = dict(model.named_parameters())
         with torch.no_grad():
@@ -166,7 +169,9 @@ class PipelineModule(torch.nn.Module):
             for k in range(self.num_stages):
                 for name, gg, o, shape in self._layout[k]:
                     if gg == g:
-                        out[name] = None if src is None else src[k, o : o + math.prod(shape)].view(shape)
+                        out[name] = (
+                            None if src is None else src[k, o : o + math.prod(shape)].view(shape)
+                        )
         for name, p in zip(self._shared_names, self._shared()):
             out[name] = p.grad if grads else p
         return out
@@ -312,15 +317,21 @@ class PipelineModule(torch.nn.Module):
         tensors = [v for _, v in named if isinstance(v, torch.Tensor)]
         autocast = _autocast_dtype() or self._autocast_default
         key = (
-            tuple((n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, repr(v))
-                  for n, v in named),
-            tuple(inputs), getattr(output_fn, "__code__", output_fn), autocast, train,
+            tuple(
+                (n, tuple(v.shape), v.dtype) if isinstance(v, torch.Tensor) else (n, repr(v))
+                for n, v in named
+            ),
+            tuple(inputs),
+            getattr(output_fn, "__code__", output_fn),
+            autocast,
+            train,
             stages.checkpointed(self._underlay),
         )
         step = self._steps.get(key)
         if step is None:
-            step = self._steps[key] = self._build(named, len(inputs), nb, output_fn, autocast,
-                                                  train)
+            step = self._steps[key] = self._build(
+                named, len(inputs), nb, output_fn, autocast, train
+            )
         call, rng = step
         params = [*self._packed(), *self._shared(), *self._consts()]
         op = ops.call_jax_rng if rng else ops.call_jax
@@ -357,8 +368,16 @@ class PipelineModule(torch.nn.Module):
             prev_nodes = split.boundaries[k - 1] if k else []
             prev_vals = bnd_in  # (tensor stand-ins, per node: ("t", i) or ("c", value))
 
-            def fn(*flat, k=k, own=own, prev_nodes=prev_nodes, prev_vals=prev_vals, n_own=n_own,
-                   n_sh=n_sh, n_c=n_c):
+            def fn(
+                *flat,
+                k=k,
+                own=own,
+                prev_nodes=prev_nodes,
+                prev_vals=prev_vals,
+                n_own=n_own,
+                n_sh=n_sh,
+                n_c=n_c,
+            ):
                 i = 0
                 mapping = {}
                 for (name, _, _), t in zip(own, flat[i : i + n_own]):
@@ -431,8 +450,9 @@ class PipelineModule(torch.nn.Module):
             n_stages=S,
             n_micro=M,
             stage_fns=tuple(fns),
-            params=tuple(tuple((g, o, shape) for _, g, o, shape in self._layout[k])
-                         for k in range(S)),
+            params=tuple(
+                tuple((g, o, shape) for _, g, o, shape in self._layout[k]) for k in range(S)
+            ),
             groups=tuple((jdtype(d), w) for d, _, w in self._groups),
             boundaries=tuple(bnd_meta),
             schedule=self.schedule if train else "forward",

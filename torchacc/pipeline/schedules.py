@@ -118,8 +118,7 @@ def _stage_runner(plan, buf_dtypes):
     def branch(k):
         def run(local, shared, consts, bufs, data, key):
             params = [
-                local[g][o : o + math.prod(shape)].reshape(shape)
-                for g, o, shape in plan.params[k]
+                local[g][o : o + math.prod(shape)].reshape(shape) for g, o, shape in plan.params[k]
             ]
             bnd_in = _unpack(plan.boundaries[k - 1], bufs, buf_dtypes) if k else []
             out = plan.stage_fns[k](params, shared, consts, bnd_in, data, key)
@@ -208,15 +207,15 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
             mf = t - s
             fvalid = (mf >= 0) & (mf < M)
             mfc = jnp.clip(mf, 0, M - 1)
-            out, loss = run(
-                s, local, shared, consts, fbufs, _micro(data, mfc), _key(key, mfc, s)
-            )
+            out, loss = run(s, local, shared, consts, fbufs, _micro(data, mfc), _key(key, mfc, s))
             acc = acc + jnp.where(fvalid, loss, 0.0)
             slot = mfc % K
             stash = [
                 jax.lax.dynamic_update_index_in_dim(
-                    st, jnp.where(fvalid, b, jax.lax.dynamic_index_in_dim(st, slot, 0, False)),
-                    slot, 0,
+                    st,
+                    jnp.where(fvalid, b, jax.lax.dynamic_index_in_dim(st, slot, 0, False)),
+                    slot,
+                    0,
                 )
                 for st, b in zip(stash, fbufs)
             ]
@@ -241,21 +240,22 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
             cot = _varying((out_cot, seed), axes)
             dl, dsh, dx = pull(cot)
             g_local = [g + jnp.where(bvalid, d, 0).astype(g.dtype) for g, d in zip(g_local, dl)]
-            g_shared = [
-                g + jnp.where(bvalid, d, 0).astype(g.dtype) for g, d in zip(g_shared, dsh)
-            ]
+            g_shared = [g + jnp.where(bvalid, d, 0).astype(g.dtype) for g, d in zip(g_shared, dsh)]
             fbufs = [jax.lax.ppermute(b, plan.axis, fwd_perm) for b in out]
             bbufs = [jax.lax.ppermute(d, plan.axis, bwd_perm) for d in dx]
             return (fbufs, bbufs, stash, g_local, g_shared, acc), None
 
-        init = _varying((
-            zeros,
-            [zeros[i] for i in floats],
-            [jnp.zeros((K, w), d) for d, w in buf_dtypes],
-            [jnp.zeros_like(x) for x in local],
-            [jnp.zeros_like(x) for x in shared],
-            jnp.zeros((), jnp.float32),
-        ), _manual(plan))
+        init = _varying(
+            (
+                zeros,
+                [zeros[i] for i in floats],
+                [jnp.zeros((K, w), d) for d, w in buf_dtypes],
+                [jnp.zeros_like(x) for x in local],
+                [jnp.zeros_like(x) for x in shared],
+                jnp.zeros((), jnp.float32),
+            ),
+            _manual(plan),
+        )
         carry, _ = jax.lax.scan(tick, init, jnp.arange(M + 2 * (S - 1)))
         _, _, _, g_local, g_shared, acc = carry
         return acc.reshape(1), g_local, g_shared

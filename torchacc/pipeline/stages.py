@@ -112,7 +112,9 @@ class Stages:
                 f"(split points in call order: {names}; {n_stages} stages)"
             )
         self.stage_of = stage_of
-        self.stage_nodes = [[n for n in graph.nodes if stage_of.get(n) == s] for s in range(n_stages)]
+        self.stage_nodes = [
+            [n for n in graph.nodes if stage_of.get(n) == s] for s in range(n_stages)
+        ]
         last = n_stages - 1
         users_stage = {}
         for node in graph.nodes:
