@@ -127,7 +127,7 @@ def test_losses_gradients_updates_equal_eager_and_no_recompile(schedule):
     pm.to(ta.device())
     errs, param_err = _train(pm, ref, 2)
     metrics.clear_all()
-    more, param_err = _train(pm, ref, 2)
+    more, param_err = _train(pm, ref, 1)
     assert new_graphs() == 0, metrics.short_metrics_report()
     for loss_err, grad_err in errs + more:
         assert loss_err <= 1e-5 and grad_err <= 1e-5, (errs, more)
@@ -179,6 +179,12 @@ def test_pp_by_dp_or_fsdp_equals_eager(axis):
     for loss_err, grad_err in errs:
         assert loss_err <= 1e-5 and grad_err <= 1e-5, errs
     assert param_err <= 1e-5
+    if axis == "dp":  # forward(): the mean loss, no gradients
+        x, y = _data(5)
+        with torch.no_grad():
+            loss = pm.forward(x.to(ta.device()), labels=y.to(ta.device()), output_fn=loss_fn)
+            want = loss_fn(ref(x), y)
+        assert abs(float(loss) - float(want)) <= 1e-5
 
 
 def test_skip_connections_and_tied_weights_across_stages():
@@ -198,7 +204,7 @@ def test_skip_connections_and_tied_weights_across_stages():
     pm = pipeline_parallel(model, _mesh([2, 2], ["dp", "pp"]), ["blocks.2"], 2, "GPipe")
     pm.to(ta.device())
     assert pm._shared_names == ["emb.weight"]
-    errs, param_err = _train(pm, ref, 2)
+    errs, param_err = _train(pm, ref, 1)
     assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
 
 
@@ -210,9 +216,9 @@ def test_gradient_checkpointing_and_bf16():
 
     ref, model = _pair()
     config = ta.Config()
-    config.dist.pp.size = 4
+    config.dist.pp.size = 2
     config.dist.pp.num_micro_batches = 2
-    config.dist.pp.split_points = ["blocks.1", "blocks.2", "blocks.3"]
+    config.dist.pp.split_points = ["blocks.2"]
     pm = ta.dist.PipelineParallel(model, config)
     under = checkpoint.gradient_checkpoint(pm._get_underlay_model(), {"Block"})
     pm._update_underlay_model(under)
