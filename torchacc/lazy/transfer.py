@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from torchacc.engine import execute, handoff
-from torchacc.engine.transfer import upload
+from torchacc.engine.transfer import upload as _upload
 from torchacc.ir import Value, contiguous_desc
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.host_eval import host_value
@@ -15,12 +15,18 @@ from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
 
 
+def upload(host):
+    """A data Value on the device with a copy of the contiguous CPU tensor ``host``, remembered
+    as an upload (``is_upload``)."""
+    value = _upload(host)
+    _uploads[id(value.buf)] = value.buf
+    return value
+
+
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    value = upload(host.detach().contiguous())
-    _uploads[id(value.buf)] = value.buf
-    return fresh(value)
+    return fresh(upload(host.detach().contiguous()))
 
 
 # the arrays of uploads, while they live: torch_xla gives data moved to the device and never

@@ -201,28 +201,85 @@ def _op_text(rule_name):
 
 
 def _get_xla_tensors_hlo(tensors):
-    """The program torchacc would compile for the pending ``tensors``, as HLO text (the form
-    torch_xla prints: ``f32[2,3]{1,0} multiply(...)``)."""
+    """The program torchacc would compile for the pending ``tensors``, as HLO text before SPMD
+    partitioning (the form torch_xla prints: ``f32[2,3]{1,0} multiply(...)``): in SPMD mode the
+    parameters carry their shardings and a ``mark_sharding`` of a pending value is a
+    ``custom_call_target="Sharding"`` (Note [HLO text like torch_xla's]). Tensors with nothing
+    pending give the program that returns their data (their parameters and shardings)."""
     import jax
     import numpy as np
 
     from torchacc import program as compiler
     from torchacc.program.build import program_of
 
-    pending = [v for v in _values(tensors) if v.node is not None]
-    if not pending:
-        return ""
-    graph = compiler.Graph(pending)
-    args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
-    args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical (padded)
-    module = jax.jit(program_of(graph)).lower(*args).compiler_ir(dialect="hlo").get_hlo_module()
-    return _names_by_opcode(module.to_string(_hlo_print_options()))
+    values = _values(tensors)
+    pending = [v for v in values if v.node is not None]
+    if pending:
+        graph = compiler.Graph(pending)
+        args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
+        args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical, padded
+        fn = program_of(graph)
+    else:
+        args = list({id(v.array): v.array for v in values if v.array is not None}.values())
+        if not args:
+            return ""
+
+        def fn(*arrays):
+            return list(arrays)
+
+    lowered = jax.jit(fn).lower(*args)
+    module = lowered.compiler_ir(dialect="hlo").get_hlo_module()
+    text = _names_by_opcode(module.to_string(_hlo_print_options()))
+    return _v1_shardings(text, _device_assignment(lowered))
+
+
+# Note [HLO text like torch_xla's]
+# torch_xla's tests grep the HLO of a pending graph for what its XlaBuilder wrote. torchacc's is
+# the real program JAX lowers (before SPMD partitioning), printed so that the same facts read the
+# same way: instructions named after their opcode (``%add.1``), parameters ``%p<number>.<k>``,
+# shardings in the V1 form with device ordinals (``{devices=[1,4]0,1,2,3}``, as
+# ``_get_xla_sharding_spec`` says; JAX prints the iota form ``{devices=[1,4]<=[4]}``) and no
+# Shardy attributes. Nothing is added that the program does not hold.
+
+_IOTA = re.compile(r"devices=\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_SDY = re.compile(r', frontend_attributes=\{xla\.sdy\.[^"]*"(?:[^"\\]|\\.)*"\}')
+_MODULE_SDY = re.compile(r", frontend_attributes=\{xla\.sdy\.meshes=.*\}$", re.M)
+
+
+def _device_assignment(lowered):
+    """Global ordinals of the lowered program's devices, by position (None if unknown)."""
+    try:
+        from torchacc.sharding import api as engine
+
+        devices = lowered._lowering.compile_args["device_assignment"]
+        return [engine.ordinal(d) for d in devices]
+    except Exception:
+        return None
+
+
+def _v1_shardings(text, ordinals):
+    import numpy as np
+
+    def expand(m):
+        dims = m.group(1)
+        shape = [int(d) for d in m.group(2).split(",")]
+        ids = np.arange(int(np.prod(shape))).reshape(shape)
+        if m.group(3):
+            ids = ids.transpose([int(d) for d in m.group(3).split(",")])
+        ids = ids.reshape(-1).tolist()
+        if ordinals is not None and len(ordinals) >= len(ids):
+            ids = [ordinals[i] for i in ids]
+        return f"devices=[{dims}]{','.join(str(i) for i in ids)}"
+
+    text = _MODULE_SDY.sub("", _SDY.sub("", text))
+    return _IOTA.sub(expand, text)
 
 
 _DEFINITION = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = .*? ([a-z][a-z0-9-]*)\(", re.M)
 _NAME = re.compile(r"%([^\s,()={}]+)")
 _SIGNATURE = re.compile(r"^((?:ENTRY )?%\S+ )(\(.*\) -> )", re.M)
 _PARAM = re.compile(r"([^\s,():]+):")
+_PARAMETER = re.compile(r"(\d+)\)")
 
 
 def _names_by_opcode(text):
@@ -233,6 +290,10 @@ def _names_by_opcode(text):
         opcode = m.group(2)
         counts[opcode] = counts.get(opcode, 0) + 1
         renames[m.group(1)] = f"{opcode}.{counts[opcode]}"
+        if opcode == "parameter":  # torch_xla's p<number>
+            number = _PARAMETER.match(text, m.end())
+            if number is not None:
+                renames[m.group(1)] = f"p{number.group(1)}.{counts[opcode]}"
     text = _SIGNATURE.sub(
         lambda m: (
             m.group(1) + _PARAM.sub(lambda p: renames.get(p.group(1), p.group(1)) + ":", m.group(2))
@@ -359,6 +420,11 @@ def _set_ir_debug(enable):
 
 def _get_ir_debug():
     return _flags["ir_debug"]
+
+
+def _xla_get_auto_sharding():
+    """False: XLA's auto-sharding pass is never on in torchacc (``xs.auto_policy`` raises)."""
+    return False
 
 
 def _xla_tensors_report(nodes_threshold=0, device=""):
