@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import torch
 
-from torchacc import metrics
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.runtime import processes
 from torchacc.sharding import layout as program_sharding
@@ -141,13 +140,6 @@ def named_sharding(jmesh, partition_spec, shape, call="mark_sharding"):
     validated (a ``ValueError`` names the tensor's shape, the spec and the mesh)."""
     spec = tuple(partition_spec)
     shape = tuple(shape)
-    try:
-        key = (jmesh, spec, len(shape))
-        made = _made.get(key)
-    except TypeError:  # an unhashable entry (a list): validated below, not kept
-        key = made = None
-    if made is not None:
-        return made
     if len(spec) != len(shape):
         raise ValueError(
             f"{call}: partition spec {spec} has {len(spec)} entries for a tensor of rank "
@@ -166,14 +158,7 @@ def named_sharding(jmesh, partition_spec, shape, call="mark_sharding"):
             )
         seen.update(names)
         entries.append(tuple(names) if len(names) > 1 else names[0])
-    made = jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec(*entries))
-    if key is not None:
-        _made[key] = made
-    metrics.counter_inc("CreateOpSharding")  # torch_xla's name: a sharding not made before
-    return made
-
-
-_made: dict = {}  # (mesh, partition spec, rank) -> NamedSharding (the spec was validated)
+    return jax.sharding.NamedSharding(jmesh, jax.sharding.PartitionSpec(*entries))
 
 
 def _check_device(t, call):

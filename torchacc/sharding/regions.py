@@ -250,6 +250,24 @@ def enable_manual_sharding(t, partition_spec, mesh):
 _open = [0]  # regions begun by enable_manual_sharding and not ended yet
 
 
+def in_manual_region(t):
+    """Whether ``t`` is computed from a block of an open ``enable_manual_sharding`` region."""
+    from torchacc.lazy.record import value_of
+
+    if not _open[0] or type(t) is not LazyTensor:
+        return False
+    seen, todo = set(), [value_of(t)]
+    while todo:
+        n = todo.pop().node
+        if n is None or id(n) in seen:
+            continue
+        if n.op.rule.fn is rules._manual_enter:
+            return True
+        seen.add(id(n))
+        todo.extend(n.inputs)
+    return False
+
+
 def disable_manual_sharding(t, partition_spec, full_shape, mesh):
     """torch_xla's ``xs.disable_manual_sharding``: the global tensor of ``full_shape`` whose
     per-device blocks (laid out by ``partition_spec``) are ``t``, computed from the blocks

@@ -439,13 +439,80 @@ def _xla_tensors_report(nodes_threshold=0, device=""):
     )
 
 
+def _spmd_full_to_shard_shape(tensor):
+    """The per-device block of ``tensor`` laid out by its sharding: the start of a manual region
+    over its mesh (``xs.enable_manual_sharding`` with the tensor's own partition spec)."""
+    import jax
+
+    from torchacc.sharding import api as engine
+    from torchacc.sharding import regions
+
+    sharding = engine.sharding_of(tensor)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not _get_xla_sharding_spec(tensor):
+        raise RuntimeError(
+            f"_spmd_full_to_shard_shape: the tensor of shape {tuple(tensor.shape)} has no "
+            "sharding; xs.mark_sharding it first"
+        )
+    spec = tuple(sharding.spec) + (None,) * (tensor.dim() - len(sharding.spec))
+    return regions.enable_manual_sharding(tensor, spec, sharding.mesh)
+
+
+def _spmd_shard_to_full_shape(tensor, sharding, full_shape, dtype):
+    """The global tensor of ``full_shape`` made of the per-device blocks ``tensor`` laid out as
+    ``sharding`` (``xs.Mesh.get_op_sharding``): the end of the manual region
+    (``xs.disable_manual_sharding``)."""
+    import jax
+
+    from torchacc.sharding import regions
+
+    named = getattr(sharding, "named_sharding", None)
+    if not isinstance(named, jax.sharding.NamedSharding):
+        raise RuntimeError(
+            "_spmd_shard_to_full_shape: the sharding must come from xs.Mesh.get_op_sharding, "
+            f"got {type(sharding).__name__}"
+        )
+    if not regions.in_manual_region(tensor):
+        raise RuntimeError(
+            f"_spmd_shard_to_full_shape: the tensor of shape {tuple(tensor.shape)} is not a "
+            "block of a manual region (_spmd_full_to_shard_shape / xs.enable_manual_sharding)"
+        )
+    full_shape = tuple(full_shape)
+    spec = tuple(named.spec) + (None,) * (len(full_shape) - len(named.spec))
+    out = regions.disable_manual_sharding(tensor, spec, full_shape, named.mesh)
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
 def _get_xla_tensor_debug_info(tensor):
+    """torch_xla's debug text of a tensor: its id, device, shape, sharding (``ShardingSpec``),
+    whether it is pending and, for data, where it lives (``XLAShardedData`` in SPMD mode: the
+    sharding and the number of shards)."""
     (value,) = _values([tensor])
-    return (
-        f"XLATensor {{\nTensorID: {_xla_get_tensor_id(tensor)}\nDevice: {tensor.device}\n"
-        f"XLA Shape: {_desc_text(value.desc)}\n"
-        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}\n}}\n"
-    )
+    spec = _get_xla_sharding_spec(tensor) or "None"
+    shape = _desc_text(value.desc)
+    lines = [
+        "XLATensor {",
+        f"TensorID: {_xla_get_tensor_id(tensor)}",
+        f"Device: {tensor.device}",
+        f"XLA Shape: {shape}",
+        f"ShardingSpec: {spec}",
+        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}",
+    ]
+    array = value.buf if value.node is None else None
+    sharding = getattr(array, "sharding", None)
+    if sharding is not None:
+        from torchacc.sharding import api as engine
+
+        if engine.is_spmd():
+            lines += [
+                "XLAShardedData: ",
+                "  Data Device: SPMD:0",
+                f"  Data Shape: {shape}",
+                f"  OpSharding: {engine.hlo_text(sharding, tensor.dim()) or '{replicated}'}",
+                f"  NumShards: {len(sharding.device_set)}",
+            ]
+        else:
+            lines += ["XLAData: ", f"  Data Device: {tensor.device}", f"  Data Shape: {shape}"]
+    return "\n".join(lines) + "\n}\n"
 
 
 def _get_xla_tensor_dimension_size(tensor, dim):

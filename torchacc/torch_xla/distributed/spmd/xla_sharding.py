@@ -478,7 +478,20 @@ def _placement_spec(placements, ndim, call):
     return tuple(spec)
 
 
-_mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
+def _mark_manual_sharding(t):
+    """torch_xla's low-level mark of a per-device block: here a block of an open manual region
+    (``enable_manual_sharding`` / ``_XLAC._spmd_full_to_shard_shape``) is manual already, so it
+    comes back as is; a tensor outside a region is a RuntimeError."""
+    from torchacc.sharding import regions
+
+    t = unwrap_sharded_tensor(t)
+    if not regions.in_manual_region(t):
+        raise RuntimeError(
+            f"xs._mark_manual_sharding: the tensor of shape {tuple(t.shape)} is not a block of a "
+            "manual region; begin one with xs.enable_manual_sharding (or "
+            "_XLAC._spmd_full_to_shard_shape) and compute the tensor from its block"
+        )
+    return wrap_as_sharded_tensor(t)
 
 
 def enable_manual_sharding(t, partition_spec, *, mesh=None):
