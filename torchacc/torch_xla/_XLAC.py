@@ -496,6 +496,8 @@ def _get_xla_tensor_debug_info(tensor):
         f"XLA Shape: {shape}",
         f"ShardingSpec: {spec}",
         f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}",
+        f"IR: {'xla::device_data' if value.node is None else _op_text(value.node.op.rule.name)}",
+        "Tensor on host: None",  # uploads are never deferred: data is on the device
     ]
     array = value.buf if value.node is None else None
     sharding = getattr(array, "sharding", None)
