@@ -35,7 +35,7 @@ from torchacc.lazy.record import value_of
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy.transfer import to_device as _upload
 from torchacc.runtime import processes as runtime
-from torchacc.sharding import collectives
+from torchacc.sharding import collectives, point_to_point
 
 BACKEND_NAME = "xla"
 
@@ -290,7 +290,7 @@ class ProcessGroupXla(dist.ProcessGroup):
                     "recorded into the step)"
                 )
             ops.append((kind, self._global_rank(p.group_peer), p.tensor))
-        collectives.batch_exchange(ops)
+        point_to_point.batch_exchange(ops)
         return [_done([p.tensor]) for p in p2p_op_list]
 
     def recv_anysource(self, *args, **kwargs):
