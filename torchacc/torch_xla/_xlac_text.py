@@ -5,6 +5,7 @@ that its own module stays short."""
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -86,7 +87,8 @@ def _op_text(rule_name):
 
 def _get_xla_tensors_hlo(tensors):
     """The program torchacc would compile for the pending ``tensors``, as HLO text before SPMD
-    partitioning (the form torch_xla prints: ``f32[2,3]{1,0} multiply(...)``): in SPMD mode the
+    partitioning (the form torch_xla prints: ``f32[2,3]{1,0} multiply(...)``; after XLA's
+    optimizations and partitioning with XLA_DUMP_POST_OPTIMIZATIONS=1): in SPMD mode the
     parameters carry their shardings and a ``mark_sharding`` of a pending value is a
     ``custom_call_target="Sharding"`` (Note [HLO text like torch_xla's]). Tensors with nothing
     pending give the program that returns their data (their parameters and shardings)."""
@@ -112,6 +114,9 @@ def _get_xla_tensors_hlo(tensors):
             return list(arrays)
 
     lowered = jax.jit(fn).lower(*args)
+    if os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true"):
+        # torch_xla's switch for the optimized program: here XLA's compiled (partitioned) HLO
+        return _v1_shardings(lowered.compile().as_text(), _device_assignment(lowered))
     module = lowered.compiler_ir(dialect="hlo").get_hlo_module()
     text = _names_by_opcode(module.to_string(_hlo_print_options()))
     return _v1_shardings(text, _device_assignment(lowered))
