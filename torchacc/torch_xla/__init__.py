@@ -106,8 +106,6 @@ _xla_device.install()  # device="xla" means the torchacc device (Note [The xla d
 from torchacc.torch_xla.experimental import gru as _gru  # noqa: E402
 
 _gru.install()
-# torch.ops.xla.dynamo_mark_sharding, registered on import as torch_xla registers it
-from torchacc.torch_xla._internal import custom_kernel as _custom_kernel  # noqa: E402, F401
 
 __all__ = [
     "compile",

@@ -65,3 +65,6 @@ __all__ = [
     "xla_distribute_tensor",
     "xla_patched_nn_linear_forward",
 ]
+
+# torch.ops.xla.dynamo_mark_sharding (torch_xla registers it on import)
+from torchacc.torch_xla.distributed.spmd import _dynamo_ops as _dynamo_ops  # noqa: E402, F401

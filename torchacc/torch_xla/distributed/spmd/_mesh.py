@@ -109,6 +109,30 @@ class Mesh:
     def _names(self):
         return self.axis_names or tuple(f"axis{i}" for i in range(len(self.mesh_shape)))
 
+    def _check_unsplit(self, call, shape, partition_spec):
+        """Without SPMD mode: ``partition_spec`` may only name axes of size 1."""
+        spec = tuple(partition_spec)
+        if len(spec) != len(shape):
+            raise ValueError(
+                f"{call}: partition spec {spec} has {len(spec)} entries for a tensor of rank "
+                f"{len(shape)} (shape {shape}) on mesh {self}"
+            )
+        sizes = {**dict(zip(self._names(), self.mesh_shape)), **dict(enumerate(self.mesh_shape))}
+        for entry in spec:
+            for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
+                size = sizes.get(axis)
+                if size is None:
+                    raise ValueError(
+                        f"{call}: axis {axis!r} in partition spec {spec} (tensor of shape "
+                        f"{shape}) is not an axis of the mesh {self}"
+                    )
+                if size > 1:
+                    raise ValueError(
+                        f"{call}: partition spec {spec} would split a tensor of shape {shape} "
+                        f"over mesh axis {axis!r} of size {size}, but SPMD mode is off; call "
+                        "torch_xla.runtime.use_spmd() at the start of the script"
+                    )
+
     def get_jax_mesh(self):
         """The same mesh as a ``jax.sharding.Mesh`` over the job's JAX devices."""
         return engine.jax_mesh(self.device_ids, self.mesh_shape, self._names())
@@ -232,3 +256,16 @@ def get_1d_mesh(axis_name=None):
     count = _job_device_count()
     names = None if axis_name is None else (axis_name,)
     return Mesh(np.arange(count), (count,), names)
+
+
+def traced_sharding(mesh, partition_spec, shape):
+    """The sharding ``xs.mark_sharding`` gives a tensor of ``shape`` inside ``torch.compile``,
+    built at trace time (``engine.constrain_traced``); None where SPMD mode is off."""
+    call = "xs.mark_sharding"
+    mesh = get_global_mesh() if mesh is None else mesh
+    if not isinstance(mesh, Mesh):
+        raise ValueError(f"{call}: expected an xs.Mesh (or a global mesh), got {mesh!r}")
+    if not engine.is_spmd():
+        mesh._check_unsplit(call, tuple(shape), partition_spec)
+        return None
+    return mesh.named_sharding(partition_spec, tuple(shape), call)

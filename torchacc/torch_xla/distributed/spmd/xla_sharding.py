@@ -32,6 +32,7 @@ from torchacc.torch_xla.distributed.spmd._mesh import (  # noqa: F401
     get_1d_mesh,
     get_global_mesh,
     set_global_mesh,
+    traced_sharding,
 )
 
 # a Mesh asks this module's _device_count at call time (Note in _mesh.py: _count_source)
@@ -298,50 +299,15 @@ def mark_sharding(t, mesh, partition_spec):
     ``t``)."""
     if torch.compiler.is_dynamo_compiling():
         spec = tuple(partition_spec)
-        return engine.constrain_traced(t, _traced_sharding, mesh, spec, tuple(t.shape))
+        return engine.constrain_traced(t, traced_sharding, mesh, spec, tuple(t.shape))
     t = unwrap_sharded_tensor(t)
     mesh = _mesh_or_global(mesh, "xs.mark_sharding")
     if not engine.is_spmd():
-        _check_unsplit("xs.mark_sharding", t, mesh, partition_spec)
+        mesh._check_unsplit("xs.mark_sharding", tuple(t.shape), partition_spec)
         return XLAShardedTensor(t)
     sharding = mesh.named_sharding(partition_spec, tuple(t.shape), "xs.mark_sharding")
     engine.mark(t, sharding, "xs.mark_sharding")
     return XLAShardedTensor(t)
-
-
-def _traced_sharding(mesh, partition_spec, shape):
-    """The sharding ``mark_sharding`` gives a tensor of ``shape`` while dynamo traces (None: SPMD
-    mode is off and the spec splits nothing); called at trace time (``engine.constrain_traced``)."""
-    call = "xs.mark_sharding"
-    mesh = _mesh_or_global(mesh, call)
-    if not engine.is_spmd():
-        _check_unsplit(call, torch.empty(shape, device="meta"), mesh, partition_spec)
-        return None
-    return mesh.named_sharding(partition_spec, shape, call)
-
-
-def _check_unsplit(call, t, mesh, partition_spec):
-    spec = tuple(partition_spec)
-    if len(spec) != t.dim():
-        raise ValueError(
-            f"{call}: partition spec {spec} has {len(spec)} entries for a tensor of rank "
-            f"{t.dim()} (shape {tuple(t.shape)}) on mesh {mesh}"
-        )
-    sizes = {**dict(zip(mesh._names(), mesh.mesh_shape)), **dict(enumerate(mesh.mesh_shape))}
-    for entry in spec:
-        for axis in () if entry is None else entry if isinstance(entry, tuple) else (entry,):
-            size = sizes.get(axis)
-            if size is None:
-                raise ValueError(
-                    f"{call}: axis {axis!r} in partition spec {spec} (tensor of shape "
-                    f"{tuple(t.shape)}) is not an axis of the mesh {mesh}"
-                )
-            if size > 1:
-                raise ValueError(
-                    f"{call}: partition spec {spec} would split a tensor of shape "
-                    f"{tuple(t.shape)} over mesh axis {axis!r} of size {size}, but SPMD mode is "
-                    "off; call torch_xla.runtime.use_spmd() at the start of the script"
-                )
 
 
 class MarkShardingFunction(torch.autograd.Function):
@@ -367,7 +333,7 @@ def mark_sharding_with_gradients(t, mesh, partition_spec):
     """``mark_sharding`` whose gradient is sharded the same way (returns the new tensor)."""
     mesh = _mesh_or_global(mesh, "xs.mark_sharding_with_gradients")
     if not engine.is_spmd():
-        _check_unsplit("xs.mark_sharding_with_gradients", t, mesh, partition_spec)
+        mesh._check_unsplit("xs.mark_sharding_with_gradients", tuple(t.shape), partition_spec)
         return t
     return MarkShardingFunction.apply(unwrap_sharded_tensor(t), mesh, partition_spec)
 

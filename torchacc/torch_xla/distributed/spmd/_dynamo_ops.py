@@ -1,4 +1,5 @@
-"""torch_xla's custom ops for dynamo: ``torch.ops.xla.dynamo_mark_sharding``.
+"""torch_xla's custom op for dynamo: ``torch.ops.xla.dynamo_mark_sharding`` (registered when
+``torch_xla.distributed.spmd`` is imported).
 
 ``dynamo_mark_sharding(input, device_ids, mesh_shape, axis_names, partition_spec)`` is
 ``xs.mark_sharding(input, Mesh(device_ids, mesh_shape, eval(axis_names)), eval(partition_spec))``
@@ -17,6 +18,7 @@ import ast
 import torch
 
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.torch_xla.distributed.spmd.xla_sharding import Mesh, mark_sharding
 
 _lib = torch.library.Library("xla", "FRAGMENT")
 _lib.define(
@@ -28,10 +30,8 @@ _lib.define(
 def _dynamo_mark_sharding(input, device_ids, mesh_shape, axis_names, partition_spec):
     if input.device.type != DEVICE_TYPE:
         return input
-    import torchacc.torch_xla.distributed.spmd as xs
-
-    mesh = xs.Mesh(list(device_ids), tuple(mesh_shape), ast.literal_eval(axis_names))
-    xs.mark_sharding(input, mesh, ast.literal_eval(partition_spec))
+    mesh = Mesh(list(device_ids), tuple(mesh_shape), ast.literal_eval(axis_names))
+    mark_sharding(input, mesh, ast.literal_eval(partition_spec))
     return input
 
 
