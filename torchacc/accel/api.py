@@ -74,16 +74,14 @@ def _refuse_unsupported(config, sizes):
         raise NotImplementedError(
             f"Config.dist.pp.size = {pp}: pipeline parallelism is not supported by torchacc"
         )
-    if sp > 1:
-        raise NotImplementedError(
-            f"Config.dist.sp.size = {sp}: sequence parallelism is not supported by torchacc"
-        )
     if config.is_lazy_backend():
-        return  # fsdp / tp: a (dp, fsdp, tp) mesh of the SPMD engine (_lazy_sharded)
-    if tp > 1:
-        raise NotImplementedError(
-            f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
-        )
+        return  # fsdp / tp / sp: a (dp, fsdp, sp, tp) mesh of the SPMD engine (_lazy_sharded)
+    for name, size, what in ((("tp", tp, "tensor")), ("sp", sp, "sequence (context)")):
+        if size > 1:
+            raise NotImplementedError(
+                f"Config.dist.{name}.size = {size} on backend 'eager': {what} parallelism is "
+                "not supported (backend 'lazy' runs it)"
+            )
 
 
 def _wrap_forward(module, autocast_device, dtype, sdpa):
@@ -147,25 +145,43 @@ def _spmd_device_count():
     return len(sharding.devices())
 
 
-def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None):
-    """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
-    device of the job (Note [SPMD mode]). ``tp`` splits the Megatron column->row pairs of
+def mesh_axes(topology, sizes):
+    """The (dp, fsdp, sp, tp) mesh's axis names, outermost first, in ``dist.topology``'s order;
+    names it leaves out follow in the order dp, fsdp, sp, tp, except that a missing ``sp`` goes
+    just before ``tp`` (tensor parallel innermost, context parallel next to it)."""
+    axes = ("dp", "fsdp", "sp", "tp")
+    names = [n for n in topology if n in axes]
+    for n in axes:
+        if n in names:
+            continue
+        if n == "sp" and "tp" in names:
+            names.insert(names.index("tp"), n)
+        else:
+            names.append(n)
+    return names
+
+
+def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None, sp_algorithm="auto"):
+    """fsdp / tp / sp on the lazy backend: the SPMD engine over a (dp, fsdp, sp, tp) mesh of
+    every device of the job (Note [SPMD mode]). ``tp`` splits the Megatron column->row pairs of
     ``tp_plan`` (Note [Megatron pairs] in torchacc/sharding/recipes.py), ``fsdp`` dim 0 of every
-    other parameter (ZeRO-3); a forward pre-hook splits the
-    batch of the model's tensor inputs over dp x fsdp; XLA inserts every collective."""
+    other parameter (ZeRO-3), ``sp`` the sequence, with the model's attention as the context
+    parallel region (Note [Context parallel for a model] in torchacc/context_parallel/model.py);
+    a forward pre-hook splits the batch of the model's tensor inputs over dp x fsdp (and their
+    dim 1 over sp); XLA inserts every other collective."""
+    from torchacc.context_parallel import model as cp_model
     from torchacc.distributed import fsdp as zero
     from torchacc.lazy.device import device
     from torchacc.sharding import api as sharding
     from torchacc.sharding import recipes
 
     sharding.use_spmd()
-    dp, fsdp, tp = sizes[:3]
+    dp, fsdp, tp, _, sp = sizes
     # the mesh's axes in dist.topology's order, the first outermost (dp x fsdp by default: each
     # fsdp group is consecutive devices, one node; dp runs across nodes)
-    names = [n for n in topology if n in ("dp", "fsdp", "tp")]
-    names += [n for n in ("dp", "fsdp", "tp") if n not in names]
-    size = {"dp": dp, "fsdp": fsdp, "tp": tp}
-    mesh = sharding.jax_mesh(range(dp * fsdp * tp), [size[n] for n in names], names)
+    names = mesh_axes(topology, sizes)
+    size = {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp}
+    mesh = sharding.jax_mesh(range(dp * fsdp * tp * sp), [size[n] for n in names], names)
     batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
@@ -173,28 +189,36 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None):
         recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None, plan=tp_plan)
     if fsdp > 1:
         zero.shard_parameters(model, mesh, "fsdp")
+    if sp > 1:  # after the other wrappers of forward: attention is the region inside all
+        cp_model.parallelize(
+            model, mesh, "sp", batch_axes, "tp" if tp > 1 else None, sp_algorithm, "dist.sp"
+        )
+
+    def spec_of(shape):
+        return cp_model.batch_spec(shape, batch_axes, "sp", sp)
 
     def split_batch(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
             if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
-                zero.shard_batch(t, mesh, batch_axes)
+                shape = tuple(t.shape)
+                sharding.mark(t, sharding.named_sharding(mesh, spec_of(shape), shape, "dist batch"))
         return None
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
 
     def input_sharding(host):  # the loader's layout: each process's batch is its share
-        spec = zero.batch_spec(host.dim(), batch_axes)
-        return sharding.named_sharding(mesh, spec, tuple(host.shape), "dist batch")
+        shape = tuple(host.shape)
+        return sharding.named_sharding(mesh, spec_of(shape), shape, "dist batch")
 
     return model, dev, input_sharding
 
 
-def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp"), tp_plan=None):
+def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp"), tp_plan=None, sp_algo="auto"):
     from torchacc.lazy.device import device
     from torchacc.sharding import collectives
 
     if spmd:
-        return _lazy_sharded(model, sizes, topology, tp_plan)
+        return _lazy_sharded(model, sizes, topology, tp_plan, sp_algo)
     dev = device()
     model.to(dev)
     dp = sizes[0]
@@ -266,7 +290,7 @@ def accelerate(model, dataloader=None, config=None):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
     lazy = config.is_lazy_backend()
     config.validate()
-    spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1)
+    spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1 or config.dist.sp.size > 1)
     sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
     _refuse_unsupported(config, sizes)
     tp_plan = None
@@ -283,7 +307,9 @@ def accelerate(model, dataloader=None, config=None):
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
     if lazy:
-        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology, tp_plan)
+        model, device, input_sharding = _lazy(
+            model, sizes, spmd, config.dist.topology, tp_plan, config.dist.sp.algorithm
+        )
     else:
         (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property
