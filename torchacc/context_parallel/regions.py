@@ -194,7 +194,9 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
             extra_specs += [P(bax, seq), P(bax, seq)]
         else:  # mask [b or 1, 1, sq, sk]: q's rows on the sequence axes, every key
             extra_specs.append(None)  # filled per call (its batch dim may broadcast)
-    body = _body(a2a, ring, n_ring, scale, causal, extras)
+    # called with q, k, v alone it is the unmasked attention (as before the masks' inputs)
+    bodies = {extras: _body(a2a, ring, n_ring, scale, causal, extras)}
+    bodies[()] = _body(a2a, ring, n_ring, scale, causal, ())
     zigzag = causal and n_ring > 1
 
     laid = NamedSharding(mesh, spec)
@@ -203,8 +205,8 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
         # inputs, results (and so the gradients) stay split on the sequence outside the region
         q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
         rest = list(rest)
-        specs = list(extra_specs)
-        if "mask" in extras:
+        specs, active = (list(extra_specs), extras) if rest else ([], ())
+        if "mask" in active:
             mask = rest[-1]
             specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
@@ -220,13 +222,13 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
 
             q, k, v = zig(q, order), zig(k, order), zig(v, order)
             qpos = kpos = zig(qpos[None], order)[0]
-            if "segments" in extras:
-                i = 2 if "lens" in extras else 0
+            if "segments" in active:
+                i = 2 if "lens" in active else 0
                 rest[i], rest[i + 1] = zig(rest[i], order), zig(rest[i + 1], order)
-            if "mask" in extras:  # rows follow the queries; columns are picked by position
+            if "mask" in active:  # rows follow the queries; columns are picked by position
                 rest[-1] = zig(rest[-1], order, dim=2)
         out = jax.shard_map(
-            body,
+            bodies[active],
             mesh=mesh,
             in_specs=(spec, spec, spec, pos_spec, pos_spec, *specs),
             out_specs=spec,

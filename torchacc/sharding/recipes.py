@@ -11,7 +11,14 @@ import torch
 
 from torchacc.sharding import api as sharding
 
-__all__ = ["megatron_plan", "tensor_parallel", "parallelize_module"]
+__all__ = [
+    "megatron_plan",
+    "tensor_parallel",
+    "parallelize_module",
+    "torch_style_hook",
+    "torch_style_replicates",
+    "constrain_hooks",
+]
 
 # Note [Megatron pairs]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -172,6 +179,12 @@ def _constrain(t, dim, mesh, axis):
     return sharding.mark(t, sharding.named_sharding(mesh, spec, tuple(t.shape), "tp layout"))
 
 
+def constrain_hooks(module, in_dim, out_dim, mesh, axis):
+    """Forward hooks laying ``module``'s first input / its output out split on dim ``in_dim`` /
+    ``out_dim`` over ``axis`` of ``mesh`` (None: no constraint)."""
+    _hooks(module, in_dim, out_dim, mesh, axis)
+
+
 def _hooks(module, in_dim, out_dim, mesh, axis):
     if in_dim is not None:
 
@@ -181,6 +194,45 @@ def _hooks(module, in_dim, out_dim, mesh, axis):
         module.register_forward_pre_hook(pre)
     if out_dim is not None:
         module.register_forward_hook(lambda mod, args, out: _constrain(out, out_dim, mesh, axis))
+
+
+def torch_style_hook(fn, call="distribute_module"):
+    """The tensor dim a ``torch.distributed.tensor.parallel`` style's input / output hook lays
+    its tensor out on (a ``functools.partial`` of ``_prepare_input_fn`` / ``_prepare_output_fn``
+    over the layouts, as ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` pass
+    them to ``distribute_module``): ``("dim", d or None)``. ``None`` when ``fn`` is not such a
+    hook (a user's own function); a hook of another style is a ValueError naming it."""
+    import functools
+
+    if not isinstance(fn, functools.partial):
+        return None
+    inner = getattr(fn.func, "__func__", fn.func)
+    module = getattr(inner, "__module__", "") or ""
+    owner, _, name = (getattr(inner, "__qualname__", "") or "").rpartition(".")
+    if not module.startswith("torch.distributed.tensor.parallel"):
+        return None
+    if owner not in ("ColwiseParallel", "RowwiseParallel", "SequenceParallel") or name not in (
+        "_prepare_input_fn",
+        "_prepare_output_fn",
+    ):
+        raise ValueError(
+            f"{call}: {owner or inner.__qualname__} is not supported (ColwiseParallel, "
+            "RowwiseParallel, SequenceParallel)"
+        )
+    layout = fn.args[0] if fn.args else None
+    if isinstance(layout, bool):  # SequenceParallel's output hook: use_local_output only
+        return ("dim", None)
+    return ("dim", _placement_dim(layout, call))
+
+
+def torch_style_replicates(partition_fn):
+    """Whether ``partition_fn`` is ``SequenceParallel``'s, which replicates the parameters with
+    ``DTensor.from_local`` (no DTensor exists in SPMD mode: whole parameters are replicated
+    already)."""
+    inner = getattr(partition_fn, "__func__", partition_fn)
+    return getattr(inner, "__qualname__", "") == "SequenceParallel._replicate_module_fn" and (
+        getattr(inner, "__module__", "") or ""
+    ).startswith("torch.distributed.tensor.parallel")
 
 
 def _style_of(style, call):

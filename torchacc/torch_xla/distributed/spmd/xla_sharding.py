@@ -404,20 +404,56 @@ def apply_xla_patch_to_nn_linear(module):
 
 def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, output_fn=None):
     """Move ``module`` to the device; ``partition_fn(name, module, mesh)`` shards its
-    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks."""
+    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks. The hooks of
+    torch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` (what
+    ``torch.distributed.tensor.parallel.parallelize_module`` passes on an ``xla`` DeviceMesh)
+    become sharding constraints of the layouts they name (``Shard(d)``: dim ``d`` split over the
+    mesh's axis), since no DTensor exists in SPMD mode; XLA's partitioner derives the
+    collectives DTensor's redistribute would run."""
     import torchacc
+    from torchacc.sharding import recipes
 
+    call = "xs.xla_distribute_module"
     given = mesh  # partition_fn gets the mesh it was given (torch's DeviceMesh calls back torch)
-    mesh = _mesh_or_global(mesh, "xs.xla_distribute_module")
+    mesh = _mesh_or_global(_as_mesh(mesh), call)
+    styled = [recipes.torch_style_hook(fn, call) for fn in (input_fn, output_fn)]
+    if any(s is not None for s in styled) and len(mesh.mesh_shape) != 1:
+        raise ValueError(
+            f"{call}: torch's tensor-parallel styles take a 1-D mesh (device_mesh['tp']), got "
+            f"shape {tuple(mesh.mesh_shape)}"
+        )
     module = module.to(torchacc.device())
-    if partition_fn is not None:
+    if partition_fn is not None and not recipes.torch_style_replicates(partition_fn):
         for name, sub in module.named_modules():
+            before = dict(sub._parameters)
             partition_fn(name, sub, mesh if given is None else given)
-    if input_fn is not None:
+            _plain_parameters(sub, before)
+    if any(s is not None for s in styled):
+        jmesh = mesh.get_jax_mesh()
+        dims = [None if s is None else s[1] for s in styled]
+        recipes.constrain_hooks(module, dims[0], dims[1], jmesh, jmesh.axis_names[0])
+    if input_fn is not None and styled[0] is None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
-    if output_fn is not None:
+    if output_fn is not None and styled[1] is None:
         module.register_forward_hook(lambda mod, inputs, out: output_fn(mod, out, mesh))
     return module
+
+
+def _plain_parameters(sub, before):
+    """torch's partition functions register ``nn.Parameter(distribute_tensor(p))``; here that
+    is a sharded-tensor wrapper of ``p``, which ``distribute_tensor`` marked in place. The
+    module gets its own (now sharded) parameter back, so that optimizers, hooks and state
+    dicts see plain torchacc parameters, as with ``mark_sharding``."""
+    for name, p in list(sub._parameters.items()):
+        if not isinstance(p, XLAShardedTensor):
+            continue
+        old = before.get(name)
+        if old is not None and old.device.type == DEVICE_TYPE and sharding_of(old) is not None:
+            sub._parameters[name] = old
+        else:
+            sub._parameters[name] = torch.nn.Parameter(
+                unwrap_sharded_tensor(p).detach(), requires_grad=p.requires_grad
+            )
 
 
 def _as_mesh(mesh):
