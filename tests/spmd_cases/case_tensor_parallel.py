@@ -272,9 +272,10 @@ def test_torchs_own_parallelize_module_on_an_xla_device_mesh():
     the alias): its ``distribute_module`` / ``distribute_tensor`` calls reach torchacc's
     ``xla_distribute_*``, the styles' input/output hooks become layouts, the parameters stay
     plain torchacc parameters; training equals eager within 1e-5."""
-    import torchacc.alias  # noqa: F401  (``import torch_xla`` is torchacc's, as for torch_xla)
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
+
+    import torchacc.alias  # noqa: F401  (``import torch_xla`` is torchacc's, as for torch_xla)
 
     torch.manual_seed(0)
     ref, model = _llama4(), _llama4()

@@ -290,7 +290,8 @@ def accelerate(model, dataloader=None, config=None):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
     lazy = config.is_lazy_backend()
     config.validate()
-    spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1 or config.dist.sp.size > 1)
+    d = config.dist
+    spmd = lazy and (d.fsdp.size > 1 or d.tp.size > 1 or d.sp.size > 1)
     sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
     _refuse_unsupported(config, sizes)
     tp_plan = None

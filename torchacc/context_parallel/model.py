@@ -54,7 +54,7 @@ def batch_spec(shape, batch_axes, cp_axis, cp_size):
 
 
 def _algorithm(group, q_heads, kv_heads, masked, algorithm):
-    """"ulysses" or "ring" for these heads (Note [Context parallel for a model])."""
+    """ "ulysses" or "ring" for these heads (Note [Context parallel for a model])."""
     if algorithm != "auto":
         return algorithm
     tp = int(group.mesh.shape[group.head_axis]) if group.head_axis else 1
