@@ -27,6 +27,32 @@ def _block_size(module: str, name: str):
     return read
 
 
+def _axes_error(module: str, name: str):
+    def check(tp: int, cp: int, seq_len: int | None) -> str | None:
+        import importlib
+
+        cfg = importlib.import_module(module).CONFIGS.get(name)
+        if cfg is None:
+            return None
+        heads = cfg.n_head
+        kv = getattr(cfg, "n_kv_head", heads)
+        hidden = getattr(cfg, "intermediate", 4 * cfg.n_embd)
+        for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP hidden", hidden)):
+            if n % tp:
+                return f"--tp {tp} does not divide {name}'s {n} {what}"
+        seq = seq_len or cfg.block_size
+        # Ulysses when the heads on a device split cp ways, else the causal (zig-zag) ring
+        # (Note [Context parallel for a model] in torchacc/context_parallel/model.py)
+        ulysses = heads // tp % cp == 0 and kv // tp % cp == 0
+        chunks = cp if ulysses else 2 * cp
+        if cp > 1 and seq % chunks:
+            how = "cp (Ulysses)" if ulysses else "2 * cp (the causal ring's zig-zag halves)"
+            return f"--cp {cp}: the sequence of {seq} tokens is not divisible by {how} = {chunks}"
+        return None
+
+    return check
+
+
 def _resolve_checkpoint(path: str, warn=None):
     """The gallery trainer's checkpoint (``gallery/common/checkpoint.py``): one safe load."""
     from gallery.common.checkpoint import resolve_checkpoint
@@ -55,6 +81,7 @@ def torchacc_models() -> list[dict]:
                 worker=worker,
                 block_size=_block_size(configs, n),
                 resolve_checkpoint=_resolve_checkpoint,
+                axes_error=_axes_error(configs, n),
             )
             for n in names
         ]

@@ -42,7 +42,10 @@ class Model:
     ``block_size``: a callable giving the longest ``--seq_len`` (None: unknown, the worker checks).
     ``resolve_checkpoint``: ``(path, warn) -> (file, state)``, raising ``ValueError`` with one
     line for a ``--resume`` that is no checkpoint of this trainer (None: the worker checks).
-    ``shards``: whether ``--fsdp`` applies.
+    ``shards``: whether ``--fsdp`` applies. ``axes_error``: ``(tp, cp, seq_len) -> str | None``,
+    why this model cannot split ``tp`` ways by Megatron pairs or its ``seq_len`` tokens
+    (None: the model's block size) ``cp`` ways (one line), or None (no callable: the worker
+    checks).
     """
 
     name: str
@@ -51,6 +54,7 @@ class Model:
     block_size: Callable[[], int | None] | None = None
     resolve_checkpoint: Callable | None = None
     shards: bool = True
+    axes_error: Callable[[int, int, int | None], str | None] | None = None
 
 
 _registered: dict[str, Model] = {}
@@ -123,6 +127,21 @@ def _block_size(model: Model) -> int | None:
         return None
     try:
         return model.block_size()
+    except ImportError:  # the model's package is not importable from here: the worker checks it
+        return None
+
+
+def axes_error(name: str, tp: int, cp: int, seq_len: int | None) -> str | None:
+    """Why ``--model name`` cannot run with ``--tp``/``--cp`` (one line), or None (unknown to
+    the registry: the worker checks)."""
+    try:
+        model = lookup(name)
+    except KeyError:
+        return None
+    if model.axes_error is None:
+        return None
+    try:
+        return model.axes_error(tp, cp, seq_len)
     except ImportError:  # the model's package is not importable from here: the worker checks it
         return None
 
