@@ -87,9 +87,10 @@ class FSDPv2(Compiler):
             model, self.mesh, shard_output=shard_output, extra_data_axis="data"
         )
         per_device = sharding.per_device_bytes(list(model.parameters()))
+        axes = "".join(f" x {k}={v}" for k, v in (("tp", tp), ("cp", cp)) if v > 1)
         self.logger.info(
-            f"fsdp: mesh data={data} x fsdp={shards} x tp={tp} x cp={cp}; parameter bytes per "
-            f"device {max(per_device.values()) if per_device else 0:,} "
+            f"fsdp: mesh data={data} x fsdp={shards}{axes}; parameter bytes per device "
+            f"{max(per_device.values()) if per_device else 0:,} "
             f"(unsharded {sum(p.numel() * p.element_size() for p in model.parameters()):,})"
         )
         return wrapped
