@@ -37,7 +37,8 @@ def _axes_error(module: str, name: str):
         heads = cfg.n_head
         kv = getattr(cfg, "n_kv_head", heads)
         hidden = getattr(cfg, "intermediate", 4 * cfg.n_embd)
-        for what, n in (("attention heads", heads), ("key/value heads", kv), ("MLP hidden", hidden)):
+        sizes = (("attention heads", heads), ("key/value heads", kv), ("MLP hidden", hidden))
+        for what, n in sizes:
             if n % tp:
                 return f"--tp {tp} does not divide {name}'s {n} {what}"
         seq = seq_len or cfg.block_size
