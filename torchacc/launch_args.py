@@ -234,26 +234,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --fsdp --compiler-opt: a data x fsdp mesh (e.g. 2,2; times --tp x --cp "
         "devices); default 1,<devices / (tp * cp)>",
     )
-    g.add_argument(
-        "--tp",
-        type=_int_at_least(1, "tp"),
-        default=1,
-        help="with --fsdp --compiler-opt: Megatron tensor parallel over N devices (attention "
-        "heads and MLP split column->row; gpt, llama)",
-    )
-    g.add_argument(
-        "--cp",
-        type=_int_at_least(1, "cp"),
-        default=1,
-        help="with --fsdp --compiler-opt: context parallel over N devices (the sequence split, "
-        "attention as Ulysses or ring attention; gpt, llama, --packing too)",
-    )
-    g.add_argument(
-        "--pp",
-        type=_int_at_least(1, "pp"),
-        default=1,
-        help="pipeline parallel stages (not wired into the launcher yet: N > 1 is refused)",
-    )
+    for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
+        ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),
+        ("cp", "with --fsdp --compiler-opt: context parallel (the sequence split) over N devices"),
+        ("pp", "pipeline parallel stages (not wired into the launcher yet: N > 1 is refused)"),
+    ):
+        g.add_argument(f"--{name}", type=_int_at_least(1, name), default=1, metavar="N", help=text)
     g.add_argument(
         "--parallel_mode",
         choices=("data_parallel", "semi_auto", "auto"),
@@ -469,7 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     _check_compile_mode(parser, args)
     _check_fsdp(parser, args)
-    _check_axes(parser, args)
+    err = registry.axes_flag_error(args)  # --tp / --cp / --pp
+    if err:
+        parser.error(err)
     if args.profile is not None and args.profile_dir is None:
         args.profile_dir = args.tensorboard  # None too: observe_errors says what is missing
     _check_parallel(parser, args)
@@ -516,28 +504,6 @@ def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--mesh {args.mesh!r}: expected DATA,FSDP (two whole numbers)")
         if data < 1 or fsdp < 1:
             parser.error(f"--mesh {args.mesh!r}: both sizes must be at least 1")
-
-
-def _check_axes(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--tp / --cp: axes of the SPMD mesh of --fsdp --compiler-opt (data x fsdp x tp x cp), for
-    the language models, with sizes the model can split; --pp is refused until the pipeline
-    is wired into the gallery trainer."""
-    if args.pp > 1:
-        parser.error(
-            f"--pp {args.pp}: pipeline parallel is not wired into the launcher's models yet "
-            "(ta.dist.PipelineParallel in a script of one's own runs it)"
-        )
-    axes = [f"--{n} {getattr(args, n)}" for n in ("tp", "cp") if getattr(args, n) > 1]
-    if not axes:
-        return
-    if not (args.fsdp and args.compiler_opt):
-        parser.error(
-            f"{' '.join(axes)} needs --fsdp --compiler-opt (axes of the sharded step's SPMD mesh)"
-        )
-    if args.script is None:
-        err = registry.axes_error(args.model, args.tp, args.cp, args.seq_len)
-        if err:
-            parser.error(err)
 
 
 def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -131,6 +131,25 @@ def _block_size(model: Model) -> int | None:
         return None
 
 
+def axes_flag_error(args) -> str | None:
+    """The launcher's ``--tp`` / ``--cp`` / ``--pp`` (one line), or None: tp and cp are axes of
+    the SPMD mesh of ``--fsdp --compiler-opt`` (data x fsdp x tp x cp) with sizes the model
+    can split; ``--pp`` is refused until the pipeline is wired into the gallery trainer."""
+    if args.pp > 1:
+        return (
+            f"--pp {args.pp}: pipeline parallel is not wired into the launcher's models yet "
+            "(ta.dist.PipelineParallel in a script of one's own runs it)"
+        )
+    axes = [f"--{n} {getattr(args, n)}" for n in ("tp", "cp") if getattr(args, n) > 1]
+    if not axes:
+        return None
+    if not (args.fsdp and args.compiler_opt):
+        return f"{' '.join(axes)} needs --fsdp --compiler-opt (axes of the sharded step's mesh)"
+    if args.script is None:
+        return axes_error(args.model, args.tp, args.cp, args.seq_len)
+    return None
+
+
 def axes_error(name: str, tp: int, cp: int, seq_len: int | None) -> str | None:
     """Why ``--model name`` cannot run with ``--tp``/``--cp`` (one line), or None (unknown to
     the registry: the worker checks)."""

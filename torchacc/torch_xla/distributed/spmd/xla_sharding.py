@@ -404,12 +404,10 @@ def apply_xla_patch_to_nn_linear(module):
 
 def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, output_fn=None):
     """Move ``module`` to the device; ``partition_fn(name, module, mesh)`` shards its
-    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks. The hooks of
-    torch's ``ColwiseParallel`` / ``RowwiseParallel`` / ``SequenceParallel`` (what
-    ``torch.distributed.tensor.parallel.parallelize_module`` passes on an ``xla`` DeviceMesh)
-    become sharding constraints of the layouts they name (``Shard(d)``: dim ``d`` split over the
-    mesh's axis), since no DTensor exists in SPMD mode; XLA's partitioner derives the
-    collectives DTensor's redistribute would run."""
+    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks. Those of torch's
+    Colwise/Rowwise/SequenceParallel (``parallelize_module`` on an ``xla`` DeviceMesh) become
+    constraints of the layouts they name: no DTensor exists in SPMD mode (the partitioner
+    derives what DTensor's redistribute would run)."""
     import torchacc
     from torchacc.sharding import recipes
 
@@ -429,9 +427,8 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
             partition_fn(name, sub, mesh if given is None else given)
             _plain_parameters(sub, before)
     if any(s is not None for s in styled):
-        jmesh = mesh.get_jax_mesh()
-        dims = [None if s is None else s[1] for s in styled]
-        recipes.constrain_hooks(module, dims[0], dims[1], jmesh, jmesh.axis_names[0])
+        jmesh, (a, b) = mesh.get_jax_mesh(), [None if s is None else s[1] for s in styled]
+        recipes.constrain_hooks(module, a, b, jmesh, jmesh.axis_names[0])
     if input_fn is not None and styled[0] is None:
         module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
     if output_fn is not None and styled[1] is None:
@@ -440,10 +437,8 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
 
 
 def _plain_parameters(sub, before):
-    """torch's partition functions register ``nn.Parameter(distribute_tensor(p))``; here that
-    is a sharded-tensor wrapper of ``p``, which ``distribute_tensor`` marked in place. The
-    module gets its own (now sharded) parameter back, so that optimizers, hooks and state
-    dicts see plain torchacc parameters, as with ``mark_sharding``."""
+    """torch's partition functions register ``nn.Parameter(distribute_tensor(p))``, a wrapper
+    of ``p`` (marked in place): the module gets ``p`` back, a plain torchacc parameter."""
     for name, p in list(sub._parameters.items()):
         if not isinstance(p, XLAShardedTensor):
             continue
@@ -451,9 +446,8 @@ def _plain_parameters(sub, before):
         if old is not None and old.device.type == DEVICE_TYPE and sharding_of(old) is not None:
             sub._parameters[name] = old
         else:
-            sub._parameters[name] = torch.nn.Parameter(
-                unwrap_sharded_tensor(p).detach(), requires_grad=p.requires_grad
-            )
+            t = unwrap_sharded_tensor(p).detach()
+            sub._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
 
 
 def _as_mesh(mesh):
