@@ -21,7 +21,9 @@ Note [Context parallel]
     (``ppermute``) cp - 1 times, merging each block's scores by online softmax (running max,
     running sum). Causal ring uses the zig-zag split: the sequence cut into 2 * cp chunks,
     device i holds chunks i and 2 * cp - 1 - i, so every device has the same amount of unmasked
-    work; the reorder into and out of that layout is an XLA gather around the region. Masks are
+    work; the reorder into and out of that layout is two ``ppermute`` s inside the region
+    (chunk c of device c // 2 goes to device c or 2 * cp - 1 - c), so no device ever holds
+    more than its share of q, k, v (an XLA gather around the region would gather them). Masks are
     computed from the tokens' global positions, which travel with the K/V block. Needs seq
     divisible by cp (2 * cp when causal).
     Varlen: ``q_lens`` / ``k_lens`` ([batch] integers) say how many tokens of each row are

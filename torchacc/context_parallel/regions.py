@@ -173,10 +173,35 @@ def _zigzag_order(n):
     return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
 
 
+def _to_zigzag(x, axes, n, dim):
+    """Inside the region: device j's block of chunks 2j, 2j+1 (of 2n) becomes chunks j and
+    2n-1-j (the zig-zag layout), by two ppermutes over the sequence ``axes``; nothing is
+    gathered. Chunk c goes to device c (c < n) or 2n-1-c; device j gets its first chunk from
+    the even stream when j is even, from the odd one when odd."""
+    a, b = jnp.split(x, 2, axis=dim)
+    dest = [c if c < n else 2 * n - 1 - c for c in range(2 * n)]
+    ra = jax.lax.ppermute(a, axes, [(i, dest[2 * i]) for i in range(n)])
+    rb = jax.lax.ppermute(b, axes, [(i, dest[2 * i + 1]) for i in range(n)])
+    even = jax.lax.axis_index(axes) % 2 == 0
+    return jnp.concatenate([jnp.where(even, ra, rb), jnp.where(even, rb, ra)], axis=dim)
+
+
+def _from_zigzag(x, axes, n, dim):
+    """The inverse of :func:`_to_zigzag`: chunks j, 2n-1-j back to their home device c // 2."""
+    first, second = jnp.split(x, 2, axis=dim)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    s0, s1 = jnp.where(even, first, second), jnp.where(even, second, first)
+    home0 = [(j if j % 2 == 0 else 2 * n - 1 - j) // 2 for j in range(n)]
+    home1 = [(2 * n - 1 - j if j % 2 == 0 else j) // 2 for j in range(n)]
+    r0 = jax.lax.ppermute(s0, axes, list(enumerate(home0)))
+    r1 = jax.lax.ppermute(s1, axes, list(enumerate(home1)))
+    return jnp.concatenate([r0, r1], axis=dim)
+
+
 def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extras=None):
     """The JAX function (q, k, v, *extras) -> out: one shard_map over ``a2a + ring``, sequences
     split on those axes (ring major), the batch on ``bax`` and the heads on ``hax`` (tensor
-    parallel: each device's heads, None: whole); the zig-zag reorder around it when a causal
+    parallel: each device's heads, None: whole); the zig-zag reorder inside it when a causal
     ring runs. ``extras`` (a tuple of "lens", "segments", "mask", in that order; ``varlen`` is
     "lens") are the masks' inputs, Note [Context parallel masks]."""
     extras = tuple(extras or ()) or (("lens",) if varlen else ())
@@ -194,10 +219,29 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
             extra_specs += [P(bax, seq), P(bax, seq)]
         else:  # mask [b or 1, 1, sq, sk]: q's rows on the sequence axes, every key
             extra_specs.append(None)  # filled per call (its batch dim may broadcast)
-    # called with q, k, v alone it is the unmasked attention (as before the masks' inputs)
-    bodies = {extras: _body(a2a, ring, n_ring, scale, causal, extras)}
-    bodies[()] = _body(a2a, ring, n_ring, scale, causal, ())
     zigzag = causal and n_ring > 1
+
+    def zigzagged(extras):
+        """The body, with the zig-zag reorder in and out inside the region (ppermutes over the
+        sequence axes: q, k, v, segments and mask rows stay split, never gathered)."""
+        body = _body(a2a, ring, n_ring, scale, causal, extras)
+        if not zigzag:
+            return body
+
+        def region(q, k, v, qpos, kpos, *rest):
+            q, k, v = (_to_zigzag(x, seq_axes, n, 1) for x in (q, k, v))
+            rest = list(rest)
+            if "segments" in extras:
+                i = 2 if "lens" in extras else 0
+                rest[i], rest[i + 1] = (_to_zigzag(x, seq_axes, n, 1) for x in rest[i : i + 2])
+            if "mask" in extras:  # rows follow the queries; columns are picked by position
+                rest[-1] = _to_zigzag(rest[-1], seq_axes, n, 2)
+            return _from_zigzag(body(q, k, v, qpos, kpos, *rest), seq_axes, n, 1)
+
+        return region
+
+    # called with q, k, v alone it is the unmasked attention (as before the masks' inputs)
+    bodies = {extras: zigzagged(extras), (): zigzagged(())}
 
     laid = NamedSharding(mesh, spec)
 
@@ -211,22 +255,10 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
             specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
-        if zigzag:  # reorder 2 * n chunks; the positions (and segments, mask rows) with them
+        if zigzag:  # the positions of the zig-zag layout (its reorder runs inside the region)
             order = np.array(_zigzag_order(n))
-
-            def zig(x, ix, dim=1):
-                c = x.shape[dim] // (2 * n)
-                x = jnp.moveaxis(x, dim, 1)
-                x = x.reshape(x.shape[0], 2 * n, c, *x.shape[2:])[:, ix]
-                return jnp.moveaxis(x.reshape(x.shape[0], 2 * n * c, *x.shape[3:]), 1, dim)
-
-            q, k, v = zig(q, order), zig(k, order), zig(v, order)
-            qpos = kpos = zig(qpos[None], order)[0]
-            if "segments" in active:
-                i = 2 if "lens" in active else 0
-                rest[i], rest[i + 1] = zig(rest[i], order), zig(rest[i + 1], order)
-            if "mask" in active:  # rows follow the queries; columns are picked by position
-                rest[-1] = zig(rest[-1], order, dim=2)
+            c = q.shape[1] // (2 * n)
+            qpos = kpos = qpos.reshape(2 * n, c)[order].reshape(-1)
         out = jax.shard_map(
             bodies[active],
             mesh=mesh,
@@ -234,7 +266,6 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
             out_specs=spec,
             check_vma=False,
         )(q, k, v, qpos, kpos, *rest)
-        out = zig(out, np.argsort(order)) if zigzag else out
         return jax.lax.with_sharding_constraint(out, laid)
 
     return fwd
