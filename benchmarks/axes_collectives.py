@@ -1,7 +1,8 @@
 """Collective bytes per transformer block of the compiled forward program, for tensor parallel
 and context parallel on one mesh (``ta.accelerate`` with ``dist.tp`` / ``dist.sp``), against
 the formulas (Megatron: 2 all-reduces of b*s*h per block; Ulysses: 4 all-to-alls of q, k, v
-and the output; the ring: cp - 1 hops of the K/V block and its positions).
+and the output; the causal ring: cp - 1 hops of the K/V block and its positions, and the
+zig-zag reorder of q, k, v and the output, one permute each way).
 
     CPU_NUM_DEVICES=4 PJRT_DEVICE=CPU PYTHONPATH=. python benchmarks/axes_collectives.py
 
@@ -71,8 +72,10 @@ def _formula(tp, sp, algorithm):
         cp = (
             b * s * (HEADS // tp) * d + 2 * b * s * (KV // tp) * d + b * s * (HEADS // tp) * d
         ) * 4
-    else:  # each hop passes k, v (this device's kv heads) and the block's int32 positions
+    else:  # each hop passes k, v (this device's kv heads) and the block's int32 positions;
+        # causal: the zig-zag reorder moves q, k, v in and the output back once
         cp = (sp - 1) * (2 * b * s * (KV // tp) * d * 4 + s * 4)
+        cp += b * s * d * (2 * HEADS // tp + 2 * KV // tp) * 4
     return megatron, cp
 
 

@@ -30,9 +30,10 @@ Order of work (everything is checked before anything happens):
    root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not); both
    > 1 is HSDP, FSDP2 over a 2-D (dp, fsdp) device mesh laid out in ``dist.topology``'s order
    (replicated over dp, sharded over fsdp: FSDP within a node, data parallel across nodes). On
-   ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
-   device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
-   FSDPv2 and Megatron's column->row Linear pairs through XLA's partitioner
+   ``'lazy'`` with ``fsdp.size``/``tp.size``/``sp.size`` > 1 the sizes are a (dp, fsdp, sp, tp)
+   mesh of every device of the job in SPMD mode (switched on first; the sizes multiply to the
+   device count): FSDPv2, Megatron's column->row Linear pairs and context parallel (the
+   sequence split, attention as the ring / Ulysses region) through XLA's partitioner
    (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
    ValueError before anything changes);
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
