@@ -77,12 +77,15 @@ def _refuse_unsupported(config, sizes):
         )
     if config.is_lazy_backend():
         return  # fsdp / tp / sp: a (dp, fsdp, sp, tp) mesh of the SPMD engine (_lazy_sharded)
-    for name, size, what in ((("tp", tp, "tensor")), ("sp", sp, "sequence (context)")):
-        if size > 1:
-            raise NotImplementedError(
-                f"Config.dist.{name}.size = {size} on backend 'eager': {what} parallelism is "
-                "not supported (backend 'lazy' runs it)"
-            )
+    if tp > 1:
+        raise NotImplementedError(
+            f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
+        )
+    if sp > 1:
+        raise NotImplementedError(
+            f"Config.dist.sp.size = {sp}: sequence (context) parallelism is not supported on "
+            "backend 'eager' (backend 'lazy' runs it)"
+        )
 
 
 def _wrap_forward(module, autocast_device, dtype, sdpa):
