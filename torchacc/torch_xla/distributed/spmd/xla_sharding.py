@@ -436,48 +436,15 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     """Move ``module`` to the device; ``partition_fn(name, module, mesh)`` shards its
     parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks. Those of torch's
     Colwise/Rowwise/SequenceParallel (``parallelize_module`` on an ``xla`` DeviceMesh) become
-    constraints of the layouts they name: no DTensor exists in SPMD mode (the partitioner
-    derives what DTensor's redistribute would run)."""
+    layouts (``recipes.distribute_module``): no DTensor exists in SPMD mode."""
     import torchacc
     from torchacc.sharding import recipes
 
-    call = "xs.xla_distribute_module"
-    given = mesh  # partition_fn gets the mesh it was given (torch's DeviceMesh calls back torch)
+    given, call = mesh, "xs.xla_distribute_module"  # partition_fn gets the mesh it was given
     mesh = _mesh_or_global(_as_mesh(mesh), call)
-    styled = [recipes.torch_style_hook(fn, call) for fn in (input_fn, output_fn)]
-    if any(s is not None for s in styled) and len(mesh.mesh_shape) != 1:
-        raise ValueError(
-            f"{call}: torch's tensor-parallel styles take a 1-D mesh (device_mesh['tp']), got "
-            f"shape {tuple(mesh.mesh_shape)}"
-        )
+    fns = (partition_fn, input_fn, output_fn, mesh if given is None else given, mesh)
     module = module.to(torchacc.device())
-    if partition_fn is not None and not recipes.torch_style_replicates(partition_fn):
-        for name, sub in module.named_modules():
-            before = dict(sub._parameters)
-            partition_fn(name, sub, mesh if given is None else given)
-            _plain_parameters(sub, before)
-    if any(s is not None for s in styled):
-        jmesh, (a, b) = mesh.get_jax_mesh(), [None if s is None else s[1] for s in styled]
-        recipes.constrain_hooks(module, a, b, jmesh, jmesh.axis_names[0])
-    if input_fn is not None and styled[0] is None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
-    if output_fn is not None and styled[1] is None:
-        module.register_forward_hook(lambda mod, inputs, out: output_fn(mod, out, mesh))
-    return module
-
-
-def _plain_parameters(sub, before):
-    """torch's partition functions register ``nn.Parameter(distribute_tensor(p))``, a wrapper
-    of ``p`` (marked in place): the module gets ``p`` back, a plain torchacc parameter."""
-    for name, p in list(sub._parameters.items()):
-        if not isinstance(p, XLAShardedTensor):
-            continue
-        old = before.get(name)
-        if old is not None and old.device.type == DEVICE_TYPE and sharding_of(old) is not None:
-            sub._parameters[name] = old
-        else:
-            t = unwrap_sharded_tensor(p).detach()
-            sub._parameters[name] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    return recipes.distribute_module(module, mesh.get_jax_mesh(), *fns, unwrap_sharded_tensor, call)
 
 
 def _as_mesh(mesh):
