@@ -1,12 +1,14 @@
-"""Paired before/after host cost of a training step: two source trees, alternating fresh processes.
+"""Paired before/after host cost of a training step: two source trees, interleaved blocks.
 
 ``--base`` and ``--head`` are two checkouts of this repository (``git worktree add --detach DIR
-COMMIT``). Each measurement is a fresh process running that tree's torchacc (``PYTHONPATH=TREE``),
-the trees alternating A B A B ... (``--pairs`` pairs), so a shared machine's drift hits both alike.
-Both run the same model code: the gallery ResNet-50 / GPT-2 of *this* file's tree, loaded by path,
-at host_cost.py's narrow sizes (a model edit between the trees is not a frontend change).
+COMMIT``). One worker process per tree runs that tree's torchacc (``PYTHONPATH=TREE``); both start
+together, warm up, then measure blocks of ``--steps`` steps in turn, A B B A A B ... (``--pairs``
+blocks each), seconds apart, so a shared machine's load hits both alike (one process per tree
+because each start costs a minute of CPU on a loaded 2-core box). Both run the same model code:
+the gallery ResNet-50 / GPT-2 of *this* file's tree, loaded by path, at host_cost.py's narrow sizes
+(a model edit between the trees is not a frontend change).
 
-Per process and model, after 3 warm-up steps, ``--repeats`` x ``--steps`` steps of:
+Frontends (after 3 warm-up steps):
 
 - ``lazy``: the per-op lazy frontend, host_cost.py's seed-recipe step (batch upload, bf16 autocast,
   forward, backward, ``xm._fetch_gradients`` + ``xm.all_reduce``, ``syncfree.AdamW``, zero_grad,
@@ -15,13 +17,15 @@ Per process and model, after 3 warm-up steps, ``--repeats`` x ``--steps`` steps 
 
 Host cost of a step = CPU time of the calling thread (``time.thread_time``) over the step minus
 the CPU time spent inside the compiled program's call (XLA:CPU runs programs partly in the calling
-thread; that is device work here). Wall time is reported the same way (minus the program call's
-wall time). Per process the median over steps; per pair the ratio head / base; reported: median
-ratio, min / max and a bootstrap 95% interval over the pairs. ``--ops`` instead prints, per tree,
-the op names of one step's program (known steps off, so the graph is walked) and their difference.
+thread; that is device work here); CPU time, unlike wall time, does not count the time the box's
+other jobs hold the cores. Wall time is reported the same way. Per block the median over its
+steps; per pair the ratio head / base; reported: median ratio, min / max and a bootstrap 95%
+interval over the pairs. ``--ops`` instead prints, per tree, the op names of one lazy step's
+program (known steps off, so the graph is walked) and of the nodes recorded, and their difference.
 
-Usage: python benchmarks/host_cost_ab.py --base DIR [--head DIR] [--pairs 8] [--steps 10]
-       [--repeats 3] [--frontends lazy,trace_once] [--models ...] [--json out.json] [--ops]
+Usage: python benchmarks/host_cost_ab.py --base DIR [--head DIR] [--pairs 12] [--steps 10]
+       [--frontends lazy,trace_once] [--models resnet50-narrow,gpt2-narrow] [--json out.json]
+       python benchmarks/host_cost_ab.py --base DIR --ops
 """
 
 from __future__ import annotations
@@ -35,7 +39,6 @@ import random
 import statistics
 import subprocess
 import sys
-import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -113,7 +116,7 @@ def _install_lazy_timer():
     execute._launch = _launch
 
 
-def _lazy(name, steps, repeats):
+def _lazy(name):
     import torch
 
     import torchacc
@@ -139,24 +142,27 @@ def _lazy(name, steps, repeats):
         step()
         xm.mark_step()
         xm.wait_device_ops()
-    ops0 = metrics.counter_value("RecordedOps") or 0
-    syncs0 = metrics.counter_value("MarkStep") or 0
-    rows = []
-    for _ in range(repeats * steps):
-        _Timed.cpu = _Timed.wall = 0.0
-        c0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
-        step()
-        c1, w1 = time.thread_time(), time.perf_counter()
-        xm.mark_step()
-        c2, w2, p2 = time.thread_time(), time.perf_counter(), time.process_time()
-        rows.append((c1 - c0, c2 - c1, _Timed.cpu, w1 - w0, w2 - w1, _Timed.wall, p2 - p0))
-        xm.wait_device_ops()  # outside the timed region
-    syncs = (metrics.counter_value("MarkStep") or 0) - syncs0
-    ops = ((metrics.counter_value("RecordedOps") or 0) - ops0) / max(syncs, 1)
-    return rows, ops
+
+    def measure(steps):
+        ops0 = metrics.counter_value("RecordedOps") or 0
+        syncs0 = metrics.counter_value("MarkStep") or 0
+        rows = []
+        for _ in range(steps):
+            _Timed.cpu = _Timed.wall = 0.0
+            c0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
+            step()
+            c1, w1 = time.thread_time(), time.perf_counter()
+            xm.mark_step()
+            c2, w2, p2 = time.thread_time(), time.perf_counter(), time.process_time()
+            rows.append((c1 - c0, c2 - c1, _Timed.cpu, w1 - w0, w2 - w1, _Timed.wall, p2 - p0))
+            xm.wait_device_ops()  # outside the timed region
+        syncs = (metrics.counter_value("MarkStep") or 0) - syncs0
+        return rows, ((metrics.counter_value("RecordedOps") or 0) - ops0) / max(syncs, 1)
+
+    return measure
 
 
-def _trace_once(name, steps, repeats):
+def _trace_once(name):
     import torch
 
     import torchacc.dynamo
@@ -180,66 +186,57 @@ def _trace_once(name, steps, repeats):
     if flat is None or flat.exe is None:
         raise RuntimeError(f"{name}: compile_step did not build one flat-buffer program")
     flat.exe = _Timed(flat.exe)
-    rows = []
-    for _ in range(repeats * steps):
-        _Timed.cpu = _Timed.wall = 0.0
-        c0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
-        step(x, y)
-        c1, w1, p1 = time.thread_time(), time.perf_counter(), time.process_time()
-        rows.append((c1 - c0, 0.0, _Timed.cpu, w1 - w0, 0.0, _Timed.wall, p1 - p0))
-    return rows, None
 
+    def measure(steps):
+        rows = []
+        for _ in range(steps):
+            _Timed.cpu = _Timed.wall = 0.0
+            c0, w0, p0 = time.thread_time(), time.perf_counter(), time.process_time()
+            step(x, y)
+            c1, w1, p1 = time.thread_time(), time.perf_counter(), time.process_time()
+            rows.append((c1 - c0, 0.0, _Timed.cpu, w1 - w0, 0.0, _Timed.wall, p1 - p0))
+        return rows, None
 
-def _eager(name, steps):
-    """Eager CPU steps (the same in both trees): a load index for the process."""
-    import torch
-
-    model = build(name)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    x, y = batch(name)
-    out = []
-    for i in range(steps + 2):
-        c = time.thread_time()
-        loss_of(model(x), y).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if i >= 2:
-            out.append(time.thread_time() - c)
-    return statistics.median(out)
+    return measure
 
 
 def child(args):
+    """A worker: sets every (frontend, model) up, says READY, then measures a block of
+    ``--steps`` steps of each per line read from stdin (one RESULT line per block)."""
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import torch
 
     import torchacc
 
     torch.set_num_threads(1)
-    result = {"torchacc": os.path.dirname(os.path.abspath(torchacc.__file__)), "rows": []}
+    benches = []
     for frontend in args.frontends.split(","):
         if frontend == "lazy":
             _install_lazy_timer()
         for name in args.models.split(","):
             fn = _lazy if frontend == "lazy" else _trace_once
-            rows, ops = fn(name, args.steps, args.repeats)
+            benches.append((frontend, name, fn(name)))
+    print("READY " + os.path.dirname(os.path.abspath(torchacc.__file__)), flush=True)
+    for _ in sys.stdin:
+        result = []
+        for frontend, name, measure in benches:
+            rows, ops = measure(args.steps)
             med = [statistics.median(col) for col in zip(*rows)]
-            host = [r[0] + r[1] - r[2] for r in rows]
-            host_wall = [r[3] + r[4] - r[5] for r in rows]
-            result["rows"].append(
+            result.append(
                 {
                     "frontend": frontend,
                     "model": name,
-                    "host_cpu_ms": statistics.median(host) * 1e3,
-                    "host_wall_ms": statistics.median(host_wall) * 1e3,
+                    "host_cpu_ms": statistics.median(r[0] + r[1] - r[2] for r in rows) * 1e3,
+                    "host_cpu_min_ms": min(r[0] + r[1] - r[2] for r in rows) * 1e3,
+                    "host_wall_ms": statistics.median(r[3] + r[4] - r[5] for r in rows) * 1e3,
                     "record_cpu_ms": med[0] * 1e3,
                     "mark_step_cpu_ms": med[1] * 1e3,
                     "program_call_cpu_ms": med[2] * 1e3,
                     "process_cpu_ms": med[6] * 1e3,
-                    "eager_cpu_ms": _eager(name, args.steps) * 1e3,
                     "ops_per_step": ops,
                 }
             )
-    print("RESULT " + json.dumps(result), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
 
 
 def child_ops(args):
@@ -317,6 +314,40 @@ def run_child(tree, argv, env_extra=None):
     raise RuntimeError(f"child on {tree} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
 
 
+class Worker:
+    """A child process on ``tree`` (``PYTHONPATH=tree``) that measures a block per request."""
+
+    def __init__(self, tree, argv):
+        env = dict(os.environ, PYTHONPATH=os.path.abspath(tree), JAX_PLATFORMS="cpu")
+        self.tree = tree
+        self.proc = subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), *argv],
+            env=env,
+            cwd=os.path.abspath(tree),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+
+    def _line(self, prefix):
+        for line in self.proc.stdout:
+            if line.startswith(prefix):
+                return line[len(prefix) :].strip()
+        raise RuntimeError(f"worker on {self.tree} exited ({self.proc.wait()})")
+
+    def ready(self):
+        return self._line("READY ")
+
+    def block(self):
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        return json.loads(self._line("RESULT "))
+
+    def close(self):
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
 def bootstrap(ratios, n=2000, seed=0):
     rng = random.Random(seed)
     meds = sorted(statistics.median(rng.choice(ratios) for _ in ratios) for _ in range(n))
@@ -342,12 +373,10 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base")
     ap.add_argument("--head", default=ROOT)
-    ap.add_argument("--pairs", type=int, default=8)
+    ap.add_argument("--pairs", type=int, default=12)
     ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--frontends", default=",".join(FRONTENDS))
-    ap.add_argument("--chains", type=int, default=2, choices=(1, 2))
     ap.add_argument("--json")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -361,42 +390,37 @@ def main():
         ap.error("--base DIR is required")
     if args.ops:
         return compare_ops(args)
-    argv = ["--child", "--steps", str(args.steps), "--repeats", str(args.repeats)]
-    argv += ["--models", args.models, "--frontends", args.frontends]
+    argv = ["--child", "--steps", str(args.steps), "--models", args.models]
+    argv += ["--frontends", args.frontends]
+    workers = {t: Worker(getattr(args, t), argv) for t in ("base", "head")}
+    where = {t: w.ready() for t, w in workers.items()}
     runs = {"base": [], "head": []}
-
-    def stream(first, second):  # one chain of processes: first, second, first, ...
-        for i in range(args.pairs):
-            tree = first if i % 2 == 0 else second
-            r = run_child(getattr(args, tree), argv)
+    for i in range(args.pairs):
+        for tree in ("base", "head") if i % 2 == 0 else ("head", "base"):  # ABBA: no order bias
+            r = workers[tree].block()
             runs[tree].append(r)
-            brief = ", ".join(
-                f"{x['frontend']}/{x['model']} {x['host_cpu_ms']:.2f}" for x in r["rows"]
-            )
-            print(f"run {i + 1} {tree} ({r['process_s']:.0f} s): host CPU ms {brief}", flush=True)
-
-    # two chains at once, A B A B ... beside B A B A ...: at any time one process of each tree
-    # runs, so both see the same load (and the box's two cores give twice the runs per hour)
-    chains = [("base", "head"), ("head", "base")][: args.chains]
-    threads = [threading.Thread(target=stream, args=c) for c in chains]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    n = min(len(runs["base"]), len(runs["head"]))
-    runs = {k: v[:n] for k, v in runs.items()}
+            brief = ", ".join(f"{x['frontend']}/{x['model']} {x['host_cpu_ms']:.2f}" for x in r)
+            print(f"pair {i + 1} {tree}: host CPU ms {brief}", flush=True)
+    for w in workers.values():
+        w.close()
+    if args.json:  # the raw blocks first
+        with open(args.json, "w") as f:
+            json.dump({"runs": runs}, f, indent=1)
+    print(f"\nbase {where['base']}  head {where['head']}")
     print(f"\nbase {runs['base'][0]['torchacc']}  head {runs['head'][0]['torchacc']}")
     print(
         "| frontend | model | ops/step base -> head | host CPU ms base | head | ratio median "
-        "[min, max] (95% bootstrap) | host wall ms base | head | wall ratio median |"
+        "[min, max] (95% bootstrap) | host wall ms base | head | wall ratio median [min, max] | "
+        "fastest step CPU ms base | head | fastest-step ratio median [min, max] |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     summary = []
-    for j, row in enumerate(runs["base"][0]["rows"]):
-        a = [r["rows"][j] for r in runs["base"]]
-        b = [r["rows"][j] for r in runs["head"]]
+    for j, row in enumerate(runs["base"][0]):
+        a = [r[j] for r in runs["base"]]
+        b = [r[j] for r in runs["head"]]
         cpu = [y["host_cpu_ms"] / x["host_cpu_ms"] for x, y in zip(a, b)]
         wall = [y["host_wall_ms"] / x["host_wall_ms"] for x, y in zip(a, b)]
+        low = [y["host_cpu_min_ms"] / x["host_cpu_min_ms"] for x, y in zip(a, b)]
         lo, hi = bootstrap(cpu)
         s = {
             "frontend": row["frontend"],
@@ -413,6 +437,12 @@ def main():
             "ratio": statistics.median(cpu),
             "ratio_min_max": (min(cpu), max(cpu)),
             "ratio_ci95": (lo, hi),
+            "fastest_step_cpu": (
+                min(x["host_cpu_min_ms"] for x in a),
+                min(x["host_cpu_min_ms"] for x in b),
+            ),
+            "fastest_step_ratio": statistics.median(low),
+            "fastest_step_ratio_min_max": (min(low), max(low)),
             "wall_ratio": statistics.median(wall),
             "wall_ratio_min_max": (min(wall), max(wall)),
         }
@@ -422,7 +452,9 @@ def main():
             f"| {s['frontend']} | {s['model']} | {ops} | {s['cpu'][0]:.2f} | {s['cpu'][1]:.2f} | "
             f"{s['ratio']:.3f} [{min(cpu):.3f}, {max(cpu):.3f}] ({lo:.3f}-{hi:.3f}) | "
             f"{s['wall'][0]:.2f} | {s['wall'][1]:.2f} | {s['wall_ratio']:.3f} "
-            f"[{min(wall):.3f}, {max(wall):.3f}] |"
+            f"[{min(wall):.3f}, {max(wall):.3f}] | {s['fastest_step_cpu'][0]:.2f} | "
+            f"{s['fastest_step_cpu'][1]:.2f} | {s['fastest_step_ratio']:.3f} "
+            f"[{min(low):.3f}, {max(low):.3f}] |"
         )
     if args.json:
         with open(args.json, "w") as f:
