@@ -43,6 +43,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
+GALLERY = os.environ.get("HOST_COST_AB_GALLERY") or os.path.join(ROOT, "gallery")
 MODELS = ("resnet50-narrow", "gpt2-narrow")
 FRONTENDS = ("lazy", "trace_once")
 
@@ -64,10 +65,10 @@ def build(name):
 
     torch.manual_seed(0)
     if name == "resnet50-narrow":
-        mod = _load("ab_resnet", os.path.join(ROOT, "gallery", "resnet50", "model.py"))
+        mod = _load("ab_resnet", os.path.join(GALLERY, "resnet50", "model.py"))
         return mod.ResNet((3, 4, 6, 3), num_classes=10, width=4)
     if name == "gpt2-narrow":
-        mod = _load("ab_gpt", os.path.join(ROOT, "gallery", "gpt", "model.py"))
+        mod = _load("ab_gpt", os.path.join(GALLERY, "gpt", "model.py"))
         return mod.build_gpt("gpt2", n_embd=64, n_head=4, vocab_size=512, block_size=16)
     raise KeyError(f"unknown model {name!r}; known: {', '.join(MODELS)}")
 
@@ -377,6 +378,7 @@ def main():
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--frontends", default=",".join(FRONTENDS))
+    ap.add_argument("--gallery", help="the gallery/ folder whose models both trees run")
     ap.add_argument("--json")
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -386,6 +388,8 @@ def main():
         return child(args)
     if args.child_ops:
         return child_ops(args)
+    if args.gallery:  # (the children inherit it)
+        os.environ["HOST_COST_AB_GALLERY"] = os.path.abspath(args.gallery)
     if not args.base:
         ap.error("--base DIR is required")
     if args.ops:
@@ -407,7 +411,6 @@ def main():
         with open(args.json, "w") as f:
             json.dump({"runs": runs}, f, indent=1)
     print(f"\nbase {where['base']}  head {where['head']}")
-    print(f"\nbase {runs['base'][0]['torchacc']}  head {runs['head'][0]['torchacc']}")
     print(
         "| frontend | model | ops/step base -> head | host CPU ms base | head | ratio median "
         "[min, max] (95% bootstrap) | host wall ms base | head | wall ratio median [min, max] | "
