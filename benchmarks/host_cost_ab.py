@@ -293,6 +293,32 @@ def child_ops(args):
     print("RESULT " + json.dumps(out), flush=True)
 
 
+def child_calls(args):
+    """Python calls per lazy step, by function (cProfile over ``--steps`` steps after warm-up):
+    a count that, unlike time, the box's load does not move."""
+    import cProfile
+    import pstats
+
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import torch
+
+    torch.set_num_threads(1)
+    out = {}
+    for name in args.models.split(","):
+        measure = _lazy(name)
+        prof = cProfile.Profile()
+        prof.enable()
+        measure(args.steps)
+        prof.disable()
+        stats = pstats.Stats(prof).stats
+        calls = collections.Counter()
+        for (path, _line, func), (_cc, nc, *_) in stats.items():
+            where = path.split("/torchacc/")[-1] if "/torchacc/" in path else path
+            calls[f"{where}:{func}"] += nc / args.steps
+        out[name] = dict(calls)
+    print("RESULT " + json.dumps(out), flush=True)
+
+
 # --- parent side ------------------------------------------------------------------------------
 
 
@@ -355,6 +381,23 @@ def bootstrap(ratios, n=2000, seed=0):
     return meds[int(0.025 * n)], meds[int(0.975 * n) - 1]
 
 
+def compare_calls(args):
+    argv = ["--child-calls", "--models", args.models, "--steps", str(args.steps)]
+    res = {t: run_child(getattr(args, t), argv) for t in ("base", "head")}
+    for name in args.models.split(","):
+        a, b = res["base"][name], res["head"][name]
+        print(
+            f"\n{name}: Python calls per step base {sum(a.values()):.0f} head {sum(b.values()):.0f}"
+        )
+        diff = {k: b.get(k, 0) - a.get(k, 0) for k in set(a) | set(b)}
+        for k in sorted(diff, key=lambda k: -abs(diff[k]))[:40]:
+            if abs(diff[k]) >= 0.5:
+                print(f"  {k:70s} {a.get(k, 0):8.1f} -> {b.get(k, 0):8.1f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+
+
 def compare_ops(args):
     argv = ["--child-ops", "--models", args.models]
     res = {t: run_child(getattr(args, t), argv) for t in ("base", "head")}
@@ -383,17 +426,23 @@ def main():
     ap.add_argument("--ops", action="store_true")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--child-ops", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--calls", action="store_true")
+    ap.add_argument("--child-calls", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         return child(args)
     if args.child_ops:
         return child_ops(args)
+    if args.child_calls:
+        return child_calls(args)
     if args.gallery:  # (the children inherit it)
         os.environ["HOST_COST_AB_GALLERY"] = os.path.abspath(args.gallery)
     if not args.base:
         ap.error("--base DIR is required")
     if args.ops:
         return compare_ops(args)
+    if args.calls:
+        return compare_calls(args)
     argv = ["--child", "--steps", str(args.steps), "--models", args.models]
     argv += ["--frontends", args.frontends]
     workers = {t: Worker(getattr(args, t), argv) for t in ("base", "head")}
