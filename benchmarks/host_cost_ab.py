@@ -21,11 +21,14 @@ thread; that is device work here); CPU time, unlike wall time, does not count th
 other jobs hold the cores. Wall time is reported the same way. Per block the median over its
 steps; per pair the ratio head / base; reported: median ratio, min / max and a bootstrap 95%
 interval over the pairs. ``--ops`` instead prints, per tree, the op names of one lazy step's
-program (known steps off, so the graph is walked) and of the nodes recorded, and their difference.
+program (known steps off, so the graph is walked) and of the nodes recorded, and their difference;
+``--calls`` the Python calls per lazy step by function (cProfile), a count load does not move.
+``--gallery DIR`` picks the gallery folder whose models both trees run.
 
 Usage: python benchmarks/host_cost_ab.py --base DIR [--head DIR] [--pairs 12] [--steps 10]
        [--frontends lazy,trace_once] [--models resnet50-narrow,gpt2-narrow] [--json out.json]
-       python benchmarks/host_cost_ab.py --base DIR --ops
+       python benchmarks/host_cost_ab.py --base DIR --ops [--gallery DIR]
+       python benchmarks/host_cost_ab.py --base DIR --calls [--steps 5]
 """
 
 from __future__ import annotations
