@@ -46,8 +46,10 @@ device-to-device copy of each unique block (``jax.device_put(may_alias=False)``:
 ordered before the next step's programs on the device, so donating the original is safe) and
 returns at once; the background writer reads the copies to the host one block at a time as DCP
 writes them. The training thread pays only for enqueuing the copies; the device holds one extra
-copy of the local shards until the write ends; the host holds one block (on a CPU device, where
-device memory is host memory, the copy itself is the one host copy).
+copy of the local shards until the write ends; the host holds one block. On a CPU device, where
+device memory is host memory, the copy itself is the one host copy, and the writer reads it in
+place (``transfer.read_view``: a second, per-block host copy (``np.array``) used to make a save
+hold ~2 copies and cost the cores a second memcpy).
 """
 
 from __future__ import annotations
@@ -145,21 +147,24 @@ class Shards:
     """The blocks of one tensor this process writes: ``pieces`` maps a block's offsets to
     ``(sizes, data, hint)``, data a single-device jax array (read when written) or a CPU tensor,
     hint the block's position among the tensor's local shards (torch_xla's write item index).
-    ``replicated``: the tensor is whole on every device (one block)."""
+    ``replicated``: the tensor is whole on every device (one block). ``private``: the device
+    blocks are this object's own copies (:meth:`on_device`), read without a host copy where the
+    device is the host (Note [Asynchronous saves])."""
 
-    def __init__(self, shape, dtype, pieces, replicated=False):
+    def __init__(self, shape, dtype, pieces, replicated=False, private=False):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.pieces = pieces
         self.replicated = replicated
+        self.private = private
 
     def read(self, offsets):
-        from torchacc.engine.transfer import read
+        from torchacc.engine.transfer import read, read_view
 
         sizes, data, _ = self.pieces[tuple(offsets)]
         if isinstance(data, torch.Tensor):
             return data
-        host = read(data, self.dtype)
+        host = (read_view if self.private else read)(data, self.dtype)
         if tuple(host.shape) != sizes:  # a padded block: its logical part, in its own storage
             host = host[tuple(slice(0, n) for n in sizes)].clone()
         return host
@@ -177,7 +182,7 @@ class Shards:
             if not isinstance(data, torch.Tensor):
                 data = jax.device_put(data, next(iter(data.devices())), may_alias=False)
             pieces[o] = (s, data, h)
-        return Shards(self.shape, self.dtype, pieces, self.replicated)
+        return Shards(self.shape, self.dtype, pieces, self.replicated, private=True)
 
     def __repr__(self):
         return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
