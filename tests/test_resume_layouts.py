@@ -74,3 +74,18 @@ def test_fsdp_saved_on_2_processes_x_2_devices_resumes_on_1x4_and_4x1(tmp_path):
         )
         assert bad == [], (procs, devices, bad)
         assert worst <= 1e-6 and gap <= 2 * own, (worst, gap, own)
+
+
+def test_eager_fsdp2_saved_on_4_processes_resumes_on_2(tmp_path):
+    """The eager fallback (torch FSDP2, torch DCP through CheckpointManager): saved by 4
+    processes as HSDP (dp 2 x fsdp 2), resumed by them bit-identically (with dropout: each
+    process's RNG stream restored) and by 2 processes (FSDP2 over 2) within the same bounds
+    (tools/resume_layouts.py --eager: also on 1 process)."""
+    rc, out = rl.launch(tmp_path, "source", *rl.EAGER_SOURCE, worker=rl.EAGER_WORKER)
+    assert rc == 0, out[-4000:]
+    src = rl.results(tmp_path, "source", *rl.EAGER_SOURCE)
+    assert rl.check_source(src) == []
+    rc, out = rl.launch(tmp_path, "target", 2, 1, worker=rl.EAGER_WORKER)
+    assert rc == 0, out[-4000:]
+    bad, (worst, gap, own) = rl.check_target(src, rl.results(tmp_path, "target", 2, 1))
+    assert bad == [] and worst <= 1e-6 and gap <= 2 * own, (bad, worst, gap, own)

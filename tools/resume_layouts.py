@@ -2,6 +2,7 @@
 devices resumes on other layouts with the uninterrupted run's losses.
 
     PYTHONPATH=. JAX_PLATFORMS=cpu python tools/resume_layouts.py [--layouts 1x4,4x1,1x2,1x1]
+    PYTHONPATH=. JAX_PLATFORMS=cpu python tools/resume_layouts.py --eager [--layouts 2x1,1x1]
 
 The job is tests/spmd_cases/resume_mp_worker.py (FSDPv2 on the compiler path, an MLP, AdamW, a
 ``StatefulDistributedSampler`` per process feeding its share of a global batch of 8, a DCP
@@ -17,8 +18,12 @@ uninterrupted steps and then resumes the 2 x 2 run's step-2 checkpoint. Checked:
 - every layout: each step's global batch (the union of the processes' sample ids) is the 2 x 2
   run's, none repeated or skipped (the global order kept and re-split).
 
+``--eager``: the eager fallback instead (tests/resume_eager_worker.py: ``ta.accelerate(backend=
+'eager')``, torch's FSDP2 on CPU gloo, one process per device): saved by 4 processes as HSDP (dp 2
+x fsdp 2), resumed on 2 processes (FSDP2) and on 1 (the plain model), the same checks.
+
 Prints one line per layout and exits 1 if a check failed. tests/test_resume_layouts.py runs the
-1 x 4 and 4 x 1 targets.
+1 x 4 and 4 x 1 targets, and the eager 4 -> 2.
 """
 
 from __future__ import annotations
@@ -34,6 +39,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "spmd_cases", "resume_mp_worker.py")
 SOURCE = (2, 2)
+EAGER_WORKER = os.path.join(ROOT, "tests", "resume_eager_worker.py")
+EAGER_SOURCE = (4, 1)
 
 
 def _free_port():
@@ -52,11 +59,13 @@ def _free_port():
     raise RuntimeError("no two adjacent free ports")
 
 
-def launch(workdir, role, procs, devices, timeout=400):
-    """Run the worker as ``procs`` processes of ``devices`` CPU devices; (returncode, output)."""
+def launch(workdir, role, procs, devices, timeout=400, worker=WORKER):
+    """Run ``worker`` as ``procs`` processes of ``devices`` CPU devices; (returncode, output)."""
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), JAX_PLATFORMS="cpu")
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     env["OMP_NUM_THREADS"] = "1"
+    if worker == EAGER_WORKER:  # torch's own gloo job; torchacc's device is not used
+        env["TORCHACC_DISTRIBUTED"] = "0"
     for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     cmd = [sys.executable]
@@ -64,7 +73,7 @@ def launch(workdir, role, procs, devices, timeout=400):
         cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
         cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
     proc = subprocess.Popen(
-        [*cmd, WORKER, str(workdir), role],
+        [*cmd, worker, str(workdir), role],
         env=env,
         cwd=ROOT,
         stdout=subprocess.PIPE,
@@ -146,42 +155,46 @@ def check_target(src, tgt):
         weight_gap(ref["weights"], alone["weights"]),
     )
     if gap > 2 * own:
-        bad.append(f"resumed: weights {gap:.3g} from the 2x2 run's (its own layout: {own:.3g})")
+        bad.append(f"resumed: weights {gap:.3g} from the saved run's (its own layout: {own:.3g})")
     return bad, (worst, gap, own)
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layouts", default="1x4,4x1,1x2,1x1", help="targets, PROCSxDEVICES")
+    p.add_argument("--layouts", default=None, help="targets, PROCSxDEVICES (default: all)")
+    p.add_argument("--eager", action="store_true", help="the eager fallback (torch FSDP2/HSDP)")
     p.add_argument("--dir", default=None, help="work directory (default: a temporary one)")
     args = p.parse_args(argv)
     workdir = args.dir or tempfile.mkdtemp(prefix="resume_layouts-")
     os.makedirs(workdir, exist_ok=True)
+    worker, source = (EAGER_WORKER, EAGER_SOURCE) if args.eager else (WORKER, SOURCE)
+    name = "x".join(map(str, source))
+    layouts = args.layouts or ("2x1,1x1" if args.eager else "1x4,4x1,1x2,1x1")
     t0 = time.time()
-    rc, out = launch(workdir, "source", *SOURCE)
+    rc, out = launch(workdir, "source", *source, worker=worker)
     if rc != 0:
         print(out[-4000:])
-        print(f"2x2 source job failed (exit {rc})")
+        print(f"{name} source job failed (exit {rc})")
         return 1
-    src = results(workdir, "source", *SOURCE)
+    src = results(workdir, "source", *source)
     bad = check_source(src)
-    print(f"2x2 -> 2x2: {'ok' if not bad else 'FAIL ' + '; '.join(bad)} (bit-identical, with and "
-          f"without dropout; {time.time() - t0:.0f} s)")  # fmt: skip
+    print(f"{name} -> {name}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)} (bit-identical, "
+          f"with and without dropout; {time.time() - t0:.0f} s)")  # fmt: skip
     failed = bool(bad)
-    for layout in args.layouts.split(","):
+    for layout in layouts.split(","):
         procs, devices = (int(x) for x in layout.split("x"))
         t = time.time()
-        rc, out = launch(workdir, "target", procs, devices)
+        rc, out = launch(workdir, "target", procs, devices, worker=worker)
         if rc != 0:
             print(out[-4000:])
-            print(f"2x2 -> {layout}: FAIL (exit {rc})")
+            print(f"{name} -> {layout}: FAIL (exit {rc})")
             failed = True
             continue
         bad, (worst, gap, own) = check_target(src, results(workdir, "target", procs, devices))
         failed = failed or bool(bad)
         print(
-            f"2x2 -> {layout}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)} (losses <= "
-            f"{worst:.2g} relative; weights {gap:.2g} from the 2x2 run's, the uninterrupted "
+            f"{name} -> {layout}: {'ok' if not bad else 'FAIL ' + '; '.join(bad)} (losses <= "
+            f"{worst:.2g} relative; weights {gap:.2g} from the {name} run's, the uninterrupted "
             f"{layout} run {own:.2g}; {time.time() - t:.0f} s)"
         )
     print(f"total {time.time() - t0:.0f} s; {'FAILED' if failed else 'all ok'}")

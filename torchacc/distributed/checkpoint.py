@@ -302,16 +302,16 @@ class SPMDSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         if isinstance(storage_meta, bool):  # torch_xla's set_up_planner(state_dict, coordinator)
             storage_meta, is_coordinator = None, storage_meta
-        _check_job()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.shards, rest = {}, {}
         for k, v in self.state_dict.items():
             if _on_device(v):
+                _check_job()
                 self.shards[k] = unique_shards(v)
             elif isinstance(v, Shards):
                 self.shards[k] = v
             else:
-                rest[k] = v
+                rest[k] = v  # DCP's own path (CPU tensors, DTensors: nothing starts JAX)
         self.state_dict = rest
 
     @property
@@ -442,9 +442,10 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
         self.all_or_nothing = all_or_nothing
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        _check_job()
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self.targets = {k: _Target(v) for k, v in self.state_dict.items() if _on_device(v)}
+        if self.targets:  # torchacc tensors; the others (DTensors, CPU) are DCP's own
+            _check_job()
         self.pending = 0
 
     @property

@@ -65,17 +65,24 @@ class RNGState:
     RNGState()}``): the torchacc device's generator and the CPU generator. Restored, dropout
     and other random ops continue the saved run's streams (the same layout: one process's
     streams are not split over another number of processes). In a job of several processes
-    each rank saves and restores its own entry (``rank<r>``)."""
+    each rank saves and restores its own entry (``rank<r>``). ``device=False``: the CPU
+    generator only (the eager path, torch's own devices: nothing of the torchacc device is
+    touched)."""
+
+    def __init__(self, device=True):
+        self.device = device
 
     def _rank(self):
         return dist.get_rank() if _distributed() else 0
 
     def state_dict(self):
-        from torchacc.engine.execute import fetch
-        from torchacc.lazy import random as device_rng
+        mine = {"cpu": torch.get_rng_state()}
+        if self.device:
+            from torchacc.engine.execute import fetch
+            from torchacc.lazy import random as device_rng
 
-        words = fetch(device_rng.state_value(), torch.uint32).tolist()
-        mine = {"device": (int(words[0]) << 32) | int(words[1]), "cpu": torch.get_rng_state()}
+            words = fetch(device_rng.state_value(), torch.uint32).tolist()
+            mine["device"] = (int(words[0]) << 32) | int(words[1])
         return {"kind": "RNGState", f"rank{self._rank()}": mine}
 
     def load_state_dict(self, state, source=None):
@@ -89,8 +96,15 @@ class RNGState:
                 f"{sorted(k for k in state if k.startswith('rank'))}); RNG streams resume only on "
                 "the layout that saved them"
             )
+        if self.device and "device" not in mine:
+            where = f"{source}: " if source else ""
+            raise CheckpointError(
+                f"{where}the saved RNG state of rank {self._rank()} has no torchacc device "
+                "stream (saved with RNGState(device=False)); restore it with device=False"
+            )
         torch.set_rng_state(mine["cpu"])
-        device_rng.manual_seed(int(mine["device"]))
+        if self.device:
+            device_rng.manual_seed(int(mine["device"]))
 
 
 def _is_stateful(v):
