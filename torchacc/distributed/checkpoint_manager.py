@@ -33,6 +33,7 @@ from before the restore back: a failed restore changes nothing.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -329,17 +330,26 @@ class CheckpointManager:
         copying, while ``max_pending_async`` saves are in flight; :meth:`join` waits for them."""
         if not (force or self.should_save(step)):
             return False
-        # the slot first, then the copy: at most max_pending_async host copies exist at a time
+        # the slot first, then the copy: at most max_pending_async copies exist at a time. The
+        # slot is given back only once the writer dropped its copy (not when its future is done:
+        # the pool's work item still holds its arguments then, and the next save's copy would
+        # briefly make two)
         self._async_sem.acquire()
         try:
-            copy = engine.snapshot(resolve_stateful(state_dict)[0], on_device=True)
-            future = self._pool.submit(self._save, step, copy)
+            box = [engine.snapshot(resolve_stateful(state_dict)[0], on_device=True)]
+            future = self._pool.submit(self._write_and_release, step, box)
         except BaseException:
             self._async_sem.release()
             raise
-        future.add_done_callback(lambda _: self._async_sem.release())
         self._futures.append(future)
         return True
+
+    def _write_and_release(self, step, box):
+        try:
+            self._save(step, box.pop())
+        finally:
+            gc.collect()  # DCP's planners may hold the copy in reference cycles
+            self._async_sem.release()
 
     def join(self):
         """Wait for the pending asynchronous saves; re-raises the first one's error."""
