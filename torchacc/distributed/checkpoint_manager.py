@@ -109,7 +109,9 @@ class RNGState:
 
 
 def _is_stateful(v):
-    return isinstance(v, Stateful) and not isinstance(v, torch.Tensor)
+    # tensors first: the Stateful protocol check is slow (inspect.getattr_static), and a state
+    # dict is mostly tensors
+    return not isinstance(v, torch.Tensor) and isinstance(v, Stateful)
 
 
 def resolve_stateful(state_dict):
