@@ -186,26 +186,14 @@ class Shards:
 def _on_devices(shards):
     """:meth:`Shards.on_device` of several at once: one batched ``jax.device_put`` for all of
     their device blocks (a call per block costs the training thread ~1 ms each)."""
-    where = [
-        (i, o)
-        for i, sh in enumerate(shards)
-        for o, (_, data, _) in sh.pieces.items()
-        if not isinstance(data, torch.Tensor)
-    ]
-    arrays = [shards[i].pieces[o][1] for i, o in where]
-    copies = (
-        jax.device_put(arrays, [next(iter(a.devices())) for a in arrays], may_alias=False)
-        if arrays
-        else []
-    )
     out = [dict(sh.pieces) for sh in shards]
-    for (i, o), copy_ in zip(where, copies):
-        sizes, _, hint = out[i][o]
-        out[i][o] = (sizes, copy_, hint)
-    return [
-        Shards(sh.shape, sh.dtype, pieces, sh.replicated, private=True)
-        for sh, pieces in zip(shards, out)
-    ]
+    where = [(p, o) for p in out for o, v in p.items() if not isinstance(v[1], torch.Tensor)]
+    arrays = [p[o][1] for p, o in where]
+    devices = [next(iter(a.devices())) for a in arrays]
+    for (p, o), c in zip(where, jax.device_put(arrays, devices, may_alias=False)):
+        p[o] = (p[o][0], c, p[o][2])
+    pairs = zip(shards, out)
+    return [Shards(sh.shape, sh.dtype, p, sh.replicated, private=True) for sh, p in pairs]
 
 
 def is_sharded(t):
