@@ -47,6 +47,7 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.pipeline",  # pipeline parallel: stages on the pp axis (shard_map region)
             "torchacc.plan",
             "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
