@@ -123,9 +123,9 @@ def _checkpoint_blocks(model, spec):
 
 
 def _device():
-    import torchacc
+    from torchacc.lazy import device
 
-    return torchacc.device()
+    return device.device()
 
 
 def make_batch(spec, fake, batch, seq):
