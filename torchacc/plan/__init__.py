@@ -16,7 +16,8 @@ holds them); depth extrapolation (a model deeper than ``full_depth_max`` layers 
 and 2 layers and every number extended linearly to its depth: layers are identical, so each adds
 the same bytes, FLOPs and collectives); pipeline parallelism (one stage of L/pp layers is
 compiled with the embedding and head, on a micro-batch; 1F1B keeps up to pp micro-batches of
-activations; the bubble and the activation sends between stages are added analytically); and
+activations; the bubble and the activation sends between stages are added analytically; kept
+for when torchacc has pipelines: pp > 1 is refused until then, ``_check_layout``); and
 the step time: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + sum over collectives of
 their ring-algorithm bytes / link bandwidth`` (no overlap of communication with compute; a mesh
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
