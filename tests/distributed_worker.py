@@ -369,6 +369,72 @@ def scenario_collectives(args):
 # training parity
 
 
+def scenario_p2p(args):
+    """Point to point on the xla process group in a job of more than two processes: a
+    ``batch_isend_irecv`` ring (one collective_permute in the step, no new program after step 2),
+    a two-way exchange with both neighbours, blocking send/recv between two ranks while the
+    others do nothing, and a batch whose sends and receives do not pair up (a ValueError)."""
+    from compile_counts import new_graphs
+
+    dist.init_process_group(backend="xla", init_method="env://")
+    W, r = dist.get_world_size(), dist.get_rank()
+    assert W > 2, W
+    checks, graphs = [], []
+    nxt, prv = (r + 1) % W, (r - 1) % W
+    for step in range(4):
+        send = to_dev(per_rank(r) + step)
+        got = to_dev(torch.zeros(3, 4))
+        reqs = dist.batch_isend_irecv(
+            [dist.P2POp(dist.isend, send, nxt), dist.P2POp(dist.irecv, got, prv)]
+        )
+        for q in reqs:
+            q.wait()
+        before = new_graphs()
+        xm.mark_step()
+        graphs.append(new_graphs() - before)
+        close(got, per_rank(prv) + step, "batch_isend_irecv ring")
+    assert graphs[2:] == [0, 0], graphs
+    from torchacc.lazy.record import value_of
+
+    checks.append("ring")
+    # both neighbours at once: two permutations (to the right, to the left), one batch
+    right, left = to_dev(torch.zeros(2)), to_dev(torch.zeros(2))
+    mine = to_dev(torch.full((2,), float(r)))
+    dist.batch_isend_irecv(
+        [
+            dist.P2POp(dist.irecv, left, prv),
+            dist.P2POp(dist.isend, mine, nxt),
+            dist.P2POp(dist.isend, mine * 10, prv),
+            dist.P2POp(dist.irecv, right, nxt),
+        ]
+    )
+    assert value_of(left).node is not None, "the exchange is recorded in the step"
+    close(left, torch.full((2,), float(prv)), "from the left")
+    close(right, torch.full((2,), 10.0 * nxt), "from the right")
+    checks.append("both_ways")
+    # blocking send/recv between ranks 0 and 2: the others take no part
+    buf = to_dev(torch.full((3,), -1.0))
+    if r == 0:
+        dist.send(to_dev(torch.arange(3.0) + 7), dst=2)
+    elif r == 2:
+        dist.recv(buf, src=0)
+        close(buf, torch.arange(3.0) + 7, "dist.recv from rank 0")
+    if r == 2:
+        dist.send(buf * 2, dst=0)
+    elif r == 0:
+        dist.recv(buf, src=2)
+        close(buf, (torch.arange(3.0) + 7) * 2, "dist.recv from rank 2")
+    checks.append("send_recv")
+    # sends and receives that do not pair up: rank 0 sends to rank 1, which receives nothing
+    op = dist.irecv if r == 2 else dist.isend
+    try:
+        dist.batch_isend_irecv([dist.P2POp(op, to_dev(torch.zeros(2)), 1 if r != 1 else 2)])
+    except ValueError as e:
+        assert "do not pair up" in str(e) and "rank 0 sends 1 tensor(s) to rank 1" in str(e), e
+        checks.append("unpaired")
+    write(args.out, "p2p", {"world": W, "checks": checks, "graphs": graphs})
+
+
 def batch_for(step, full_batch):
     g = torch.Generator().manual_seed(1000 + step)
     return torch.randn(full_batch, 8, generator=g), torch.randn(full_batch, 4, generator=g)
@@ -536,7 +602,7 @@ def scenario_fail(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("scenario", choices=["collectives", "train", "fail", "zero1"])
+    p.add_argument("scenario", choices=["collectives", "p2p", "train", "fail", "zero1"])
     p.add_argument("out")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--steps", type=int, default=5)
@@ -546,6 +612,7 @@ def main():
     args = p.parse_args()
     {
         "collectives": scenario_collectives,
+        "p2p": scenario_p2p,
         "train": scenario_train,
         "fail": scenario_fail,
         "zero1": scenario_zero1,

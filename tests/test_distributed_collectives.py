@@ -191,3 +191,16 @@ def test_graph_order_is_creation_order():
     mine = {id(t._st) for t in ts}
     ordered = [st for st in live_storages() if id(st) in mine]
     assert [id(st) for st in ordered] == [id(t._st) for t in ts]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_point_to_point_three_processes(tmp_path):
+    """batch_isend_irecv rings and two-way exchanges, and blocking send/recv between two of three
+    processes (tests/distributed_worker.py scenario_p2p checks the values)."""
+    proc = torchrun("p2p", tmp_path, nproc=3)
+    assert proc.returncode == 0, report(proc)
+    for rank in range(3):
+        got = load(tmp_path, "p2p", rank)
+        assert got["world"] == 3
+        assert got["checks"] == ["ring", "both_ways", "send_recv", "unpaired"], got

@@ -75,6 +75,17 @@ def record_time(name, seconds):
     _stamps[name].append(time.time())
 
 
+# metrics whose samples are amounts, not seconds (torch_xla's byte and count metrics):
+# ``OutboundData`` (bytes an upload sent), ``InputOutputAliasCount`` (donated inputs a new
+# program's results reuse, once per compile)
+VALUE_METRICS = frozenset({"OutboundData", "InputOutputAliasCount"})
+
+
+def record_value(name, value):
+    """One sample of a ``VALUE_METRICS`` metric."""
+    record_time(name, value)
+
+
 @contextlib.contextmanager
 def timed(name):
     start = time.perf_counter()
@@ -227,19 +238,23 @@ def _fmt_seconds(s):
     return f"{s:.3f}s"
 
 
+def _fmt_amount(v):
+    return f"{v:g}"
+
+
 def metrics_report():
     """Readable text: every timing (count, total, mean, p50) then every counter."""
     lines = []
     for name in metric_names():
         samples = sorted(_timings[name])
         total = sum(samples)
+        fmt = _fmt_amount if name in VALUE_METRICS else _fmt_seconds
         lines.append(f"Metric: {name}")
         lines.append(f"  TotalSamples: {len(samples)}")
-        lines.append(f"  Accumulator: {_fmt_seconds(total)}")
-        lines.append(f"  Mean: {_fmt_seconds(total / len(samples))}")
+        lines.append(f"  Accumulator: {fmt(total)}")
+        lines.append(f"  Mean: {fmt(total / len(samples))}")
         lines.append(
-            f"  Percentiles: 50%={_fmt_seconds(samples[len(samples) // 2])}; "
-            f"max={_fmt_seconds(samples[-1])}"
+            f"  Percentiles: 50%={fmt(samples[len(samples) // 2])}; max={fmt(samples[-1])}"
         )
     counters = _all_counters()
     for name in sorted(counters):

@@ -154,3 +154,35 @@ def test_enable_and_disable_manual_sharding_match_eager():
         xs.disable_manual_sharding(block, ("x", None), (16, 3), mesh=MESH)
     with pytest.raises(ValueError, match="'y'.*not an axis"):
         xs.enable_manual_sharding(wd, ("y", None), mesh=MESH)
+
+
+def test_gradients_through_a_region_match_eager():
+    """Autograd through ``_shard_map`` (Note [Regions under autograd]): the backward is the
+    transposed region (psum, ppermute ring, all_gather), the input and closure gradients equal
+    eager PyTorch's on the global math; no new program after step 2."""
+    ring = [(i, (i + 1) % 4) for i in range(4)]
+
+    def body(a, w):
+        s = xm.all_reduce(xm.REDUCE_SUM, (a * a).sum())
+        r = xm.collective_permute(a, ring)
+        return a / s.sqrt() + r * w, xm.all_gather(a * w, dim=0)
+
+    f = _shard_map(body, MESH, (("x", None), (None,)), (("x", None), (None, None)))
+    graphs, before = [], new_graphs()
+    for step in range(4):
+        x, w, c1, c2 = _data(30 + step), _data(40, (3,)), _data(50), _data(60)
+        xd, wd = x.to(DEV).requires_grad_(), w.to(DEV).requires_grad_()
+        out, gathered = f(xd, wd)
+        ((out * c1.to(DEV)).sum() + (gathered * c2.to(DEV)).sum()).backward()
+        xm.mark_step()
+        graphs.append(new_graphs() - before)
+        before += graphs[-1]
+        xe, we = x.clone().requires_grad_(), w.clone().requires_grad_()
+        b = xe.chunk(4)
+        s = sum((t * t).sum() for t in b)
+        want = torch.cat([b[i] / s.sqrt() + b[(i - 1) % 4] * we for i in range(4)])
+        ((want * c1).sum() + (xe * we * c2).sum()).backward()
+        torch.testing.assert_close(out.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(xd.grad.cpu(), xe.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(wd.grad.cpu(), we.grad, atol=1e-5, rtol=1e-5)
+    assert graphs[2:] == [0, 0], graphs

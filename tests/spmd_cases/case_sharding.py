@@ -113,6 +113,43 @@ def test_sharding_text_forms_match_torch_xla():
     assert torch.equal(t.cpu(), torch.arange(32.0).reshape(8, 4))  # values unchanged
 
 
+def test_hlo_text_debug_info_and_counters_read_like_torch_xla():
+    """What torch_xla's tests read: the lowered program's HLO with the parameters' shardings in
+    V1 form and a mark of a pending value as a Sharding custom-call, the tensor debug text, one
+    CreateOpSharding per (mesh, spec), ReplicateShardedData on reads of sharded data, and the
+    spmd.debugging / spmd.api modules."""
+    import copy
+
+    import torchacc.torch_xla.debug.metrics as met
+    from torchacc.torch_xla.distributed.spmd.api import convert_to_xla_mesh
+    from torchacc.torch_xla.distributed.spmd.debugging import visualize_tensor_sharding
+
+    met.clear_all()
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    x = torch.arange(32.0).reshape(8, 4).to(DEV)
+    assert _XLAC._get_xla_sharding_spec(x) == ""  # an upload never marked
+    xs.mark_sharding(x, mesh, (None, "model"))
+    xs.mark_sharding(torch.zeros(2, 2).to(DEV), mesh, (None, "model"))  # same spec, rank
+    assert met.counter_value("CreateOpSharding") == 1
+    spec = "{devices=[1,2,2]0,2,1,3 last_tile_dim_replicate}"
+    assert f"parameter(0), sharding={spec}" in _XLAC._get_xla_tensors_hlo([x])
+    y = x * 2
+    xs.mark_sharding(y, mesh, ("data", None))
+    hlo = _XLAC._get_xla_tensors_hlo([y])
+    assert 'custom_call_target="Sharding", sharding={devices=[2,1,2]0,1,2,3' in hlo, hlo
+    info = _XLAC._get_xla_tensor_debug_info(x)
+    assert f"OpSharding: {spec}" in info and "NumShards: 4" in info, info
+    assert _XLAC._get_xla_sharding_spec(copy.deepcopy(x)) == spec  # kept on the devices
+    before = met.counter_value("ReplicateShardedData") or 0
+    assert torch.equal(y.cpu(), torch.arange(32.0).reshape(8, 4) * 2)
+    assert met.counter_value("ReplicateShardedData") == before + 1
+    table = visualize_tensor_sharding(x, use_color=False)
+    assert table.row_count == 1 and len(table.columns) == 2
+    dt = torch.distributed.device_mesh.DeviceMesh("xla", torch.arange(4).reshape(2, 2))
+    converted = convert_to_xla_mesh(dt)
+    assert converted.mesh_shape == (2, 2) and list(converted.device_ids) == [0, 1, 2, 3]
+
+
 def test_local_shards_hold_the_slices_of_the_global_tensor():
     mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
     host = torch.arange(32.0).reshape(8, 4)

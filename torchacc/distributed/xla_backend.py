@@ -14,10 +14,11 @@ Collectives on torchacc tensors (``dist.all_reduce``, ``all_gather(_into_tensor)
 pending graph (``torchacc.distributed.collectives``) and run by XLA at the next ``torchacc.sync()``;
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
-coordination service. ``send``/``recv`` in a 2-process job are one ppermute each, run at once
-as torch's blocking calls are (the peers' matching calls run the same op); rooted
-gather/scatter raise ``NotImplementedError``; so does any collective on a group smaller than the
-whole job.
+coordination service. ``send``/``recv`` are one ppermute each, run at once as torch's blocking
+calls are (the peers' matching calls run the same op; with more than two processes, a program of
+the two peers alone); ``batch_isend_irecv`` records one collective_permute per permutation the
+ranks' lists form together (a ring: one). Rooted gather/scatter raise ``NotImplementedError``;
+so does any collective on a group smaller than the whole job.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from torchacc.lazy.record import value_of
 from torchacc.lazy.tensor import LazyTensor
 from torchacc.lazy.transfer import to_device as _upload
 from torchacc.runtime import processes as runtime
-from torchacc.sharding import collectives
+from torchacc.sharding import collectives, point_to_point
 
 BACKEND_NAME = "xla"
 
@@ -246,17 +247,13 @@ class ProcessGroupXla(dist.ProcessGroup):
             "only: all_reduce, all_gather, reduce_scatter, broadcast, all_to_all, reduce, barrier)"
         )
 
-    # -- point to point: a ppermute every rank of a 2-process job records ----------------------
+    # -- point to point ---------------------------------------------------------------------
+    # send/recv: one ppermute run at once (a 2-process job: every rank records it; more
+    # processes: a program of the two peers alone). batch_isend_irecv: Note [A batch of
+    # point-to-point ops] in sharding/collectives.py (torch.distributed.batch_isend_irecv is
+    # routed here for this group, see _route_batch_isend_irecv)
     def _p2p(self, op, tensors, peer):
         self._check(op)
-        world = runtime.world_size()
-        if world != 2:
-            raise NotImplementedError(
-                f"torchacc 'xla' process group: {op} in a job of {world} processes is not "
-                "supported: an in-graph exchange is one ppermute every process records; write it "
-                "as xm.collective_permute(value, pairs) on every rank (in a 2-process job "
-                "dist.send/recv are that)"
-            )
         (t,) = tensors
         if not isinstance(t, LazyTensor):
             raise NotImplementedError(
@@ -278,6 +275,23 @@ class ProcessGroupXla(dist.ProcessGroup):
         with torch.no_grad():
             t.copy_(result)
         return _done(tensors)
+
+    def batch_isend_irecv(self, p2p_op_list):
+        """torch's ``batch_isend_irecv`` on this group: every rank's sends and receives as
+        collective_permutes recorded in the step (a ring is one); complete Work objects."""
+        self._check("batch_isend_irecv")
+        ops = []
+        for p in p2p_op_list:
+            kind = "send" if p.op in (dist.isend, dist.send) else "recv"
+            if not isinstance(p.tensor, LazyTensor):
+                raise NotImplementedError(
+                    f"torchacc 'xla' process group: batch_isend_irecv {kind} of a "
+                    f"{p.tensor.device} tensor; move it to the torchacc device (the exchange is "
+                    "recorded into the step)"
+                )
+            ops.append((kind, self._global_rank(p.group_peer), p.tensor))
+        point_to_point.batch_exchange(ops)
+        return [_done([p.tensor]) for p in p2p_op_list]
 
     def recv_anysource(self, *args, **kwargs):
         self._unsupported("recv_anysource")
@@ -365,7 +379,31 @@ def _create_process_group(dist_backend_opts, backend_options=None):
     return ProcessGroupXla(store, group_rank, group_size, dist_backend_opts.timeout, ranks)
 
 
+def _route_batch_isend_irecv():
+    """``torch.distributed.batch_isend_irecv`` hands a list on an xla group to the group (torch
+    calls isend/irecv one at a time on a group it cannot coalesce, and one rank's list alone does
+    not say which exchange the ranks make together); any other group goes to torch's."""
+    from torch.distributed import distributed_c10d as c10d
+
+    torch_batch = c10d.batch_isend_irecv
+    if getattr(torch_batch, "_torchacc", False):
+        return
+
+    @functools.wraps(torch_batch)
+    def batch_isend_irecv(p2p_op_list):
+        if p2p_op_list and isinstance(p2p_op_list[0], dist.P2POp):
+            c10d._check_p2p_op_list(p2p_op_list)
+            if isinstance(p2p_op_list[0].group, ProcessGroupXla):
+                return p2p_op_list[0].group.batch_isend_irecv(p2p_op_list)
+        return torch_batch(p2p_op_list)
+
+    batch_isend_irecv._torchacc = True
+    c10d.batch_isend_irecv = batch_isend_irecv
+    dist.batch_isend_irecv = batch_isend_irecv
+
+
 def _register():
+    _route_batch_isend_irecv()
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
     dist.Backend.register_backend(

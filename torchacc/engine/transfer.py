@@ -52,7 +52,9 @@ def upload(host):
     array, mirror = device_array(host)
     metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferToDevice")
-    metrics.counter_inc("TransferToDeviceBytes", sent_bytes(array))
+    sent = sent_bytes(array)
+    metrics.counter_inc("TransferToDeviceBytes", sent)
+    metrics.record_value("OutboundData", sent)
     value = Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
     value.host = mirror
     return value
@@ -90,7 +92,12 @@ def device_array(host, sharding=None, local=False):
 def read(array, dtype):
     """A CPU tensor of ``dtype`` with the data of device ``array`` (waits for it)."""
     start = time.perf_counter()
-    host = mesh.gather(array) if mesh.is_spmd() else np.array(array)
+    if mesh.is_spmd():
+        if not getattr(array, "is_fully_replicated", True):  # torch_xla's name for the gather
+            metrics.counter_inc("ReplicateShardedData")
+        host = mesh.gather(array)
+    else:
+        host = np.array(array)
     metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferFromDevice")
     bits = _FROM_ML.get(host.dtype)

@@ -7,7 +7,7 @@ import weakref
 import torch
 
 from torchacc.engine import execute, handoff
-from torchacc.engine.transfer import upload
+from torchacc.engine.transfer import upload as _upload
 from torchacc.ir import Value, contiguous_desc
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.host_eval import host_value
@@ -15,12 +15,18 @@ from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
 
 
+def upload(host):
+    """A data Value on the device with a copy of the contiguous CPU tensor ``host``, remembered
+    as an upload (``is_upload``)."""
+    value = _upload(host)
+    _uploads[id(value.buf)] = value.buf
+    return value
+
+
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    value = upload(host.detach().contiguous())
-    _uploads[id(value.buf)] = value.buf
-    return fresh(value)
+    return fresh(upload(host.detach().contiguous()))
 
 
 # the arrays of uploads, while they live: torch_xla gives data moved to the device and never
@@ -68,12 +74,31 @@ def _view_of_computed_storage(t):
 
 
 def deepcopy(t, memo):
-    new = to_device(to_cpu(t))
+    new = _device_copy(t)
+    if new is None:
+        new = to_device(to_cpu(t))
     if t.requires_grad:
         new.requires_grad_(True)
     if getattr(t, "_is_param", False):
         new = torch.nn.Parameter(new, t.requires_grad)
     memo[id(t)] = new
+    return new
+
+
+def _device_copy(t):
+    """A copy of computed data laid out over several devices (SPMD mode), made on the devices
+    with the same layout (a host round trip would lose it); None for anything else."""
+    import jax
+
+    value = value_of(t)
+    array = value.buf if value.node is None and t._view is None else None
+    if not isinstance(array, jax.Array) or len(array.sharding.device_set) < 2:
+        return None
+    copy = jax.device_put(array, array.sharding, may_alias=False)
+    new = fresh(Value(contiguous_desc(tuple(t.shape), t.dtype), array=copy))
+    mark = getattr(t, "_torchacc_sharding", False)
+    if mark is not False:
+        new._torchacc_sharding = mark
     return new
 
 

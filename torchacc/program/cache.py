@@ -86,6 +86,8 @@ def compiled_for(graph, args, shardings=None):
             if offsets:
                 exe = _WithOffsets(exe, offsets)
     metrics.record_time("CompileTime", time.perf_counter() - start)
+    if graph.donate:
+        metrics.record_value("InputOutputAliasCount", len(graph.donate))
     metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
     metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
     _cache[key] = exe

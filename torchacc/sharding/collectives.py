@@ -423,9 +423,17 @@ def send_recv(value, source, target, name="send"):
     """``value`` moved from member ``source`` to member ``target`` (torch's blocking
     ``dist.send``/``recv``): one ppermute that both call (``value`` a buffer of the right shape on
     the receiver), run at once with just what it needs, so the sender's and the receiver's
-    programs hold the same collective in the order they call. The receiver's result."""
+    programs hold the same collective in the order they call. In a job of more than two processes
+    the ppermute is a program over the two processes' devices alone (``manual.pair_permute``):
+    the others take no part. The receiver's result."""
     if source == target:
         return value
+    if world_size() > 2 and in_region() is None:  # a program of the two processes alone
+        from torchacc.lazy.transfer import _array_of, _tensor_of
+        from torchacc.sharding import manual
+
+        out = manual.pair_permute(_array_of(value), int(source), int(target))
+        return _tensor_of(out, value.dtype)
     result = collective_permute(value, [(int(source), int(target))])
     from torchacc.lazy.record import value_of
 

@@ -99,6 +99,43 @@ def per_process_region(program, in_shardings, n_out):
     )
 
 
+_pairs: dict = {}  # (source, target, shape, dtype) -> jitted two-process ppermute
+
+
+def pair_permute(array, source, target):
+    """Process ``source``'s ``array`` at process ``target`` (its result there; elsewhere
+    ``array``'s own zeros): one ppermute in a program over just those two processes' devices, so
+    the job's other processes take no part (torch's blocking ``dist.send``/``recv`` in a job of
+    more than two processes). Both processes call it with arrays of one shape and dtype, in the
+    same order; it is not a step's collective program (not aligned, not counted there)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    devs = job.job_devices()[:, 0]
+    me = devs[processes.rank()]
+    if len(getattr(array, "devices", lambda: [me])()) != 1:
+        raise NotImplementedError(
+            "torchacc: send/recv of a tensor spread over several devices (SPMD mode) in a job of "
+            "more than two processes; write the exchange as xm.collective_permute on every rank"
+        )
+    key = (int(source), int(target), tuple(array.shape), str(array.dtype))
+    entry = _pairs.get(key)
+    if entry is None:
+        m = Mesh(np.array([devs[source], devs[target]]), (job.PROCESS_AXIS,))
+        sharding = NamedSharding(m, PartitionSpec())
+
+        def hop(v):
+            return jax.lax.ppermute(v, job.PROCESS_AXIS, [(0, 1)])
+
+        region = jax.shard_map(
+            hop, mesh=m, in_specs=PartitionSpec(), out_specs=PartitionSpec(), check_vma=False
+        )
+        entry = _pairs[key] = (jax.jit(region), sharding)
+    fn, sharding = entry
+    local = jax.device_put(array, me)
+    out = fn(jax.make_array_from_single_device_arrays(local.shape, sharding, [local]))
+    return out.addressable_data(0)
+
+
 # Note [Aligning collective programs]
 # Compile times differ between ranks (a loaded host, a cold cache), while the gloo/NCCL transport
 # gives the first collective only ~30 s to find its peers, so the ranks line up on the

@@ -11,7 +11,7 @@ region's members instead of the job's processes. One program per step, nothing o
 partitions or moves data: XLA lays the arguments out as the specs say and runs the body per device.
 
 Tensors ``func`` closes over become replicated arguments (lifted as in Note [Traced regions]).
-No autograd through a region (run it under ``torch.no_grad()`` or on tensors that need none).
+Gradients flow through a region: Note [Regions under autograd].
 
 ``enable_manual_sharding`` / ``disable_manual_sharding`` make the same node from ops recorded one
 by one: the enable records a ``torchacc::manual_enter`` block (local shape), the disable collects
@@ -163,13 +163,51 @@ def shard_map(func, mesh, in_specs, out_specs):
                 out_meta,
             )
         )
-        outs = rules.manual_region_op([*tensors, *closures], traced.key, region)
+        outs = _call([*tensors, *closures], traced.key, region)
         leaves = list(traced.out_consts)
         for i, t in zip(traced.out_pos, outs):
             leaves[i] = t
         return tree_unflatten(leaves, traced.out_spec)
 
     return run
+
+
+# Note [Regions under autograd]
+# A region called on tensors that require grad is one autograd node (``_RegionCall``): its
+# backward records ``torchacc::manual_region_vjp`` (sharding/rules.py), whose rule is JAX's vjp of
+# the region's ``shard_map``: the transposed region (a ppermute's transpose is the inverse
+# ppermute, a psum's cotangent is psum'ed, an all_gather's transpose is a reduce-scatter), over
+# the same mesh and axes, recomputing the forward inside the backward's program. Only floating
+# point arguments get gradients; a replicated argument (a closure, a None spec) gets the sum of
+# the per-device gradients, as a replicated input of a per-device function should.
+
+
+class _RegionCall(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, key, region, *tensors):
+        ctx.key, ctx.region = key, region
+        ctx.save_for_backward(*tensors)
+        return tuple(rules.manual_region_op(list(tensors), key, region))
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        tensors = ctx.saved_tensors
+        metas = rules.REGIONS[ctx.region].out_meta
+        device = tensors[0].device
+        cts = [
+            torch.zeros(s, dtype=d, device=device) if g is None else g
+            for g, (s, d) in zip(grads, metas)
+        ]
+        outs = rules.manual_region_vjp_op(list(tensors), cts, ctx.key, ctx.region)
+        keep = [t.is_floating_point() or t.is_complex() for t in tensors]
+        return (None, None, *[g if k else None for k, g in zip(keep, outs)])
+
+
+def _call(tensors, key, region):
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return list(_RegionCall.apply(key, region, *tensors))
+    return rules.manual_region_op(tensors, key, region)
 
 
 def _out_specs(out_specs, n):
@@ -210,6 +248,24 @@ def enable_manual_sharding(t, partition_spec, mesh):
 
 
 _open = [0]  # regions begun by enable_manual_sharding and not ended yet
+
+
+def in_manual_region(t):
+    """Whether ``t`` is computed from a block of an open ``enable_manual_sharding`` region."""
+    from torchacc.lazy.record import value_of
+
+    if not _open[0] or type(t) is not LazyTensor:
+        return False
+    seen, todo = set(), [value_of(t)]
+    while todo:
+        n = todo.pop().node
+        if n is None or id(n) in seen:
+            continue
+        if n.op.rule.fn is rules._manual_enter:
+            return True
+        seen.add(id(n))
+        todo.extend(n.inputs)
+    return False
 
 
 def disable_manual_sharding(t, partition_spec, full_shape, mesh):

@@ -382,8 +382,8 @@ def _manual_region_meta(args, graph, region):
 _lib.impl("manual_region", _manual_region_meta, "Meta")
 
 
-@register(manual_region_op)
-def _manual_region(args, graph, region):
+def _region_fn(graph, region):
+    """The region as a function of global arrays: ``jax.shard_map`` of the replayed graph."""
     from torchacc.lowering.region import GRAPHS
 
     r, g = REGIONS[region], GRAPHS[graph]
@@ -397,7 +397,50 @@ def _manual_region(args, graph, region):
     f = jax.shard_map(
         body, mesh=r.mesh, in_specs=r.in_specs, out_specs=r.out_specs, check_vma=False, **kw
     )
-    return list(f(*args))
+    return f
+
+
+@register(manual_region_op)
+def _manual_region(args, graph, region):
+    return list(_region_fn(graph, region)(*args))
+
+
+# The backward of a manual region (Note [Regions under autograd] in sharding/regions.py): the
+# input gradients of the region's floating point arguments, JAX's transpose of the region's
+# shard_map (a shard_map of the transposed body: a ppermute's transpose is the inverse ppermute,
+# an all_gather's a reduce-scatter, ...). One gradient per argument; zeros for the others.
+_lib.define("manual_region_vjp(Tensor[] args, Tensor[] cts, str graph, str region) -> Tensor[]")
+manual_region_vjp_op = torch.ops.torchacc.manual_region_vjp.default
+_lib.impl(
+    "manual_region_vjp",
+    lambda args, cts, graph, region: [torch.empty_like(a, device="meta") for a in args],
+    "Meta",
+)
+
+
+def _floating(x):
+    return jnp.issubdtype(x.dtype, jnp.floating) or jnp.issubdtype(x.dtype, jnp.complexfloating)
+
+
+@register(manual_region_vjp_op)
+def _manual_region_vjp(args, cts, graph, region):
+    f = _region_fn(graph, region)
+    wrt = [i for i, a in enumerate(args) if _floating(a)]
+    outs = [k for k, (_, d) in enumerate(REGIONS[region].out_meta) if d.is_floating_point]
+
+    def differentiable(*xs):
+        full = list(args)
+        for i, x in zip(wrt, xs):
+            full[i] = x
+        results = f(*full)
+        return tuple(results[k] for k in outs)
+
+    _, pull = jax.vjp(differentiable, *[args[i] for i in wrt])
+    grads = pull(tuple(cts[k] for k in outs))
+    result = [jnp.zeros(jnp.shape(a), jnp.asarray(a).dtype) for a in args]
+    for i, g in zip(wrt, grads):
+        result[i] = g
+    return result
 
 
 # enable_manual_sharding: a tensor's block, a node that only a later disable_manual_sharding turns

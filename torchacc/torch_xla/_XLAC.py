@@ -17,7 +17,6 @@ holds; ``_set_ir_debug``). Any other name raises an error that is both ``NotImpl
 from __future__ import annotations
 
 import itertools
-import re
 
 import torch
 
@@ -35,6 +34,13 @@ from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls
     _xla_metric_data,
     _xla_metric_names,
     _xla_metrics_report,
+)
+from torchacc.torch_xla._xlac_text import (  # noqa: F401  (the IR and HLO text calls)
+    _desc_text,
+    _get_xla_tensors_hlo,
+    _get_xla_tensors_text,
+    _op_text,
+    _values,
 )
 
 
@@ -126,132 +132,6 @@ def _xla_get_tensor_id(tensor):
         tid = next(_ids)
         setattr(tensor, _ID_ATTR, tid)
     return tid
-
-
-def _values(tensors):
-    from torchacc.lazy.record import value_of
-
-    for t in tensors:
-        if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
-            raise RuntimeError(f"expected torchacc tensors, got {type(t).__name__} on {t.device}")
-    return [value_of(t) for t in tensors]
-
-
-def _get_xla_tensors_text(tensors):
-    """The pending graph computing ``tensors`` in torch_xla's IR text form: one line per data
-    input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
-    aten::add.Tensor(%0, %1)``), in the device's dtypes (Note [Device dtypes]); the line of the
-    i-th tensor's value ends with ``, ROOT=i``."""
-    from torchacc import program as compiler
-
-    values = _values(tensors)
-    pending = [v for v in values if v.node is not None]
-    lines = ["IR {"]
-    names, where = {}, {}
-    n = 0
-    if pending:
-        graph = compiler.Graph(pending)
-        for v in graph.inputs:
-            names[id(v)] = f"%{n}"
-            where[id(v)] = len(lines)
-            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
-            n += 1
-        for node in graph.order:
-            args = ", ".join(_ref(v, names) for v in node.inputs)
-            names[id(node)] = f"%{n}"
-            where[id(node)] = len(lines)
-            outs = [_desc_text(d) for d in node.op.descs if d is not None]
-            outs = outs[0] if len(outs) == 1 else f"({', '.join(outs)})"
-            lines.append(f"  %{n} = {outs} {_op_text(node.op.rule.name)}({args})")
-            n += 1
-    for i, v in enumerate(values):
-        key = id(v) if v.node is None else id(v.node)
-        if key not in where:  # a computed tensor: a data input of no pending graph
-            names[key] = f"%{n}"
-            where[key] = len(lines)
-            lines.append(f"  %{n} = {_desc_text(v.desc)} xla::device_data()")
-            n += 1
-        lines[where[key]] += f", ROOT={i}"
-    lines.append("}")
-    return "\n".join(lines) + "\n"
-
-
-def _ref(value, names):
-    """``%n`` for a data input or a one-output node's value, ``%n.i`` for output i of several."""
-    if value.node is None:
-        return names[id(value)]
-    several = sum(d is not None for d in value.node.op.descs) > 1
-    return f"{names[id(value.node)]}.{value.index}" if several else names[id(value.node)]
-
-
-def _desc_text(desc):
-    from torchacc.lowering.dtypes import HLO_NAMES, TORCH_TO_JAX, stored_dtype
-
-    shape, dtype = desc[0], desc[2]
-    if dtype in TORCH_TO_JAX:
-        dtype = stored_dtype(dtype)  # what the device holds (Note [Device dtypes])
-    name = HLO_NAMES.get(dtype, str(dtype).replace("torch.", ""))
-    return f"{name}[{','.join(map(str, shape))}]"
-
-
-def _op_text(rule_name):
-    """``aten.add.Tensor`` -> ``aten::add.Tensor`` (torch_xla's IR names ops ``aten::add``)."""
-    namespace, _, rest = rule_name.partition(".")
-    return f"{namespace}::{rest}" if rest else rule_name
-
-
-def _get_xla_tensors_hlo(tensors):
-    """The program torchacc would compile for the pending ``tensors``, as HLO text (the form
-    torch_xla prints: ``f32[2,3]{1,0} multiply(...)``)."""
-    import jax
-    import numpy as np
-
-    from torchacc import program as compiler
-    from torchacc.program.build import program_of
-
-    pending = [v for v in _values(tensors) if v.node is not None]
-    if not pending:
-        return ""
-    graph = compiler.Graph(pending)
-    args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
-    args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical (padded)
-    module = jax.jit(program_of(graph)).lower(*args).compiler_ir(dialect="hlo").get_hlo_module()
-    return _names_by_opcode(module.to_string(_hlo_print_options()))
-
-
-_DEFINITION = re.compile(r"^\s*(?:ROOT )?%([^\s=]+) = .*? ([a-z][a-z0-9-]*)\(", re.M)
-_NAME = re.compile(r"%([^\s,()={}]+)")
-_SIGNATURE = re.compile(r"^((?:ENTRY )?%\S+ )(\(.*\) -> )", re.M)
-_PARAM = re.compile(r"([^\s,():]+):")
-
-
-def _names_by_opcode(text):
-    """Rename each instruction after its opcode (``%exponential.3``), as torch_xla's HLO (built
-    by XlaBuilder) names them; JAX names them after its primitives (``%exp.1``)."""
-    renames, counts = {}, {}
-    for m in _DEFINITION.finditer(text):
-        opcode = m.group(2)
-        counts[opcode] = counts.get(opcode, 0) + 1
-        renames[m.group(1)] = f"{opcode}.{counts[opcode]}"
-    text = _SIGNATURE.sub(
-        lambda m: (
-            m.group(1) + _PARAM.sub(lambda p: renames.get(p.group(1), p.group(1)) + ":", m.group(2))
-        ),
-        text,
-    )
-    return _NAME.sub(lambda m: "%" + renames.get(m.group(1), m.group(1)), text)
-
-
-def _hlo_print_options():
-    """torch_xla's HLO text form: ``%name = f32[2]{0} add(f32[2]{0} %a, f32[2]{0} %b)``
-    (operand shapes and ``%`` names; no source metadata)."""
-    from jaxlib import _hlo
-
-    options = _hlo.HloPrintOptions()
-    options.print_operand_shape = True
-    options.print_percent = True
-    options.print_metadata = False
-    return options
 
 
 # --- RNG and precision -------------------------------------------------------------------------
@@ -361,6 +241,11 @@ def _get_ir_debug():
     return _flags["ir_debug"]
 
 
+def _xla_get_auto_sharding():
+    """False: XLA's auto-sharding pass is never on in torchacc (``xs.auto_policy`` raises)."""
+    return False
+
+
 def _xla_tensors_report(nodes_threshold=0, device=""):
     """Live torchacc tensors and how many hold pending (unsynced) values."""
     from torchacc.ir import live_storages
@@ -373,13 +258,82 @@ def _xla_tensors_report(nodes_threshold=0, device=""):
     )
 
 
+def _spmd_full_to_shard_shape(tensor):
+    """The per-device block of ``tensor`` laid out by its sharding: the start of a manual region
+    over its mesh (``xs.enable_manual_sharding`` with the tensor's own partition spec)."""
+    import jax
+
+    from torchacc.sharding import api as engine
+    from torchacc.sharding import regions
+
+    sharding = engine.sharding_of(tensor)
+    if not isinstance(sharding, jax.sharding.NamedSharding) or not _get_xla_sharding_spec(tensor):
+        raise RuntimeError(
+            f"_spmd_full_to_shard_shape: the tensor of shape {tuple(tensor.shape)} has no "
+            "sharding; xs.mark_sharding it first"
+        )
+    spec = tuple(sharding.spec) + (None,) * (tensor.dim() - len(sharding.spec))
+    return regions.enable_manual_sharding(tensor, spec, sharding.mesh)
+
+
+def _spmd_shard_to_full_shape(tensor, sharding, full_shape, dtype):
+    """The global tensor of ``full_shape`` made of the per-device blocks ``tensor`` laid out as
+    ``sharding`` (``xs.Mesh.get_op_sharding``): the end of the manual region
+    (``xs.disable_manual_sharding``)."""
+    import jax
+
+    from torchacc.sharding import regions
+
+    named = getattr(sharding, "named_sharding", None)
+    if not isinstance(named, jax.sharding.NamedSharding):
+        raise RuntimeError(
+            "_spmd_shard_to_full_shape: the sharding must come from xs.Mesh.get_op_sharding, "
+            f"got {type(sharding).__name__}"
+        )
+    if not regions.in_manual_region(tensor):
+        raise RuntimeError(
+            f"_spmd_shard_to_full_shape: the tensor of shape {tuple(tensor.shape)} is not a "
+            "block of a manual region (_spmd_full_to_shard_shape / xs.enable_manual_sharding)"
+        )
+    full_shape = tuple(full_shape)
+    spec = tuple(named.spec) + (None,) * (len(full_shape) - len(named.spec))
+    out = regions.disable_manual_sharding(tensor, spec, full_shape, named.mesh)
+    return out if dtype is None or out.dtype == dtype else out.to(dtype)
+
+
 def _get_xla_tensor_debug_info(tensor):
+    """torch_xla's debug text of a tensor: its id, device, shape, sharding (``ShardingSpec``),
+    whether it is pending and, for data, where it lives (``XLAShardedData`` in SPMD mode: the
+    sharding and the number of shards)."""
     (value,) = _values([tensor])
-    return (
-        f"XLATensor {{\nTensorID: {_xla_get_tensor_id(tensor)}\nDevice: {tensor.device}\n"
-        f"XLA Shape: {_desc_text(value.desc)}\n"
-        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}\n}}\n"
-    )
+    spec = _get_xla_sharding_spec(tensor) or "None"
+    shape = _desc_text(value.desc)
+    lines = [
+        "XLATensor {",
+        f"TensorID: {_xla_get_tensor_id(tensor)}",
+        f"Device: {tensor.device}",
+        f"XLA Shape: {shape}",
+        f"ShardingSpec: {spec}",
+        f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}",
+        f"IR: {'xla::device_data' if value.node is None else _op_text(value.node.op.rule.name)}",
+        "Tensor on host: None",  # uploads are never deferred: data is on the device
+    ]
+    array = value.buf if value.node is None else None
+    sharding = getattr(array, "sharding", None)
+    if sharding is not None:
+        from torchacc.sharding import api as engine
+
+        if engine.is_spmd():
+            lines += [
+                "XLAShardedData: ",
+                "  Data Device: SPMD:0",
+                f"  Data Shape: {shape}",
+                f"  OpSharding: {engine.hlo_text(sharding, tensor.dim()) or '{replicated}'}",
+                f"  NumShards: {len(sharding.device_set)}",
+            ]
+        else:
+            lines += ["XLAData: ", f"  Data Device: {tensor.device}", f"  Data Shape: {shape}"]
+    return "\n".join(lines) + "\n}\n"
 
 
 def _get_xla_tensor_dimension_size(tensor, dim):

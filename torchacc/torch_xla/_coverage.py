@@ -158,6 +158,17 @@ API = {
         "xla_distribute_module",
         "auto_policy",
     ],
+    "torch_xla.distributed.spmd.api": [
+        "convert_to_xla_mesh",
+        "convert_to_xla_partition_spec",
+        "xla_distribute_tensor",
+        "xla_distribute_module",
+    ],
+    "torch_xla.distributed.spmd.debugging": [
+        "visualize_sharding",
+        "visualize_tensor_sharding",
+        "construct_v1_sharding_str",
+    ],
     "torch_xla.distributed.xla_backend": ["ProcessGroupXla", "xla_rendezvous_handler"],
     "torch_xla.distributed.zero_redundancy_optimizer": ["ZeroRedundancyOptimizer"],
     "torch_xla.distributed.parallel_loader": [

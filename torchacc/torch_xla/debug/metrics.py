@@ -55,7 +55,8 @@ def metric_data(name):
     samples = _m.metric_samples(METRIC_ALIASES.get(name, name))
     if not samples:
         return None
-    ns = [(stamp * 1e9, seconds * 1e9) for stamp, seconds in samples]
+    scale = 1 if name in _m.VALUE_METRICS else 1e9  # bytes and counts stay as they are
+    ns = [(stamp * 1e9, seconds * scale) for stamp, seconds in samples]
     return len(ns), sum(v for _, v in ns), ns
 
 

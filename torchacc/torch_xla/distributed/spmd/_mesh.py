@@ -10,6 +10,7 @@ import collections
 
 import numpy as np
 
+from torchacc import metrics
 from torchacc.sharding import api as engine
 
 
@@ -131,9 +132,20 @@ class Mesh:
             for e in spec
         )
         try:
-            return engine.named_sharding(self.get_jax_mesh(), spec, shape, call)
+            key = (spec, len(shape))
+            made = self.__dict__.setdefault("_made", {}).get(key)
+        except TypeError:  # an unhashable entry: validated below, not kept
+            key = made = None
+        if made is not None:
+            return made
+        try:
+            made = engine.named_sharding(self.get_jax_mesh(), spec, shape, call)
         except ValueError as e:
             raise ValueError(f"{e} (xs.Mesh {self})") from None
+        if key is not None:  # one sharding per spec and rank, as torch_xla keeps per mesh
+            self._made[key] = made
+        metrics.counter_inc("CreateOpSharding")  # torch_xla's counter of shardings made
+        return made
 
     def get_op_sharding(self, partition_spec):
         """torch_xla's OpSharding of ``partition_spec`` over this mesh: here an object holding

@@ -172,6 +172,36 @@ class XLAShardedTensor(torch.Tensor):
             shards.append(XLAShard(data, slices, replica, ordinal))
         return shards
 
+    def load_local_shards_(self, shards):
+        """Replace this process's shards with ``shards`` (XLAShard objects as ``local_shards``
+        gives, their ``data`` changed on the CPU), in place. The shards of every local device,
+        each of its block's shape, of a tensor that is split (not replicated); a RuntimeError
+        names what differs otherwise."""
+        from torchacc.torch_xla import _XLAC
+
+        call = "XLAShardedTensor.load_local_shards_"
+        if self.sharding_type == ShardingType.REPLICATED:
+            raise RuntimeError(f"{call}: the tensor is replicated; it has no shards to load")
+        current = {s.ordinal: s for s in self.local_shards}
+        given = {s.ordinal: s for s in shards}
+        if sorted(given) != sorted(current):
+            raise RuntimeError(
+                f"{call}: shards of devices {sorted(given)} given, this process holds the shards "
+                f"of devices {sorted(current)}"
+            )
+        for k, s in sorted(given.items()):
+            if tuple(s.data.shape) != tuple(current[k].data.shape):
+                raise RuntimeError(
+                    f"{call}: the shard of device {k} has shape {tuple(s.data.shape)}, its block "
+                    f"has shape {tuple(current[k].data.shape)}"
+                )
+        sharding = OpSharding(engine.sharding_of(self.global_tensor))
+        data = [given[k].data.to(self.dtype) for k in sorted(given)]
+        loaded = _XLAC._global_tensor_from_cpu_shards(data, sharding, tuple(self.shape))
+        with torch.no_grad():
+            self.global_tensor.copy_(loaded)
+        return self
+
     def __repr__(self):
         return f"XLAShardedTensor({self.global_tensor!r}, sharding={self.sharding_spec})"
 
@@ -478,7 +508,20 @@ def _placement_spec(placements, ndim, call):
     return tuple(spec)
 
 
-_mark_manual_sharding = not_implemented("xs._mark_manual_sharding", _MANUAL)
+def _mark_manual_sharding(t):
+    """torch_xla's low-level mark of a per-device block: here a block of an open manual region
+    (``enable_manual_sharding`` / ``_XLAC._spmd_full_to_shard_shape``) is manual already, so it
+    comes back as is; a tensor outside a region is a RuntimeError."""
+    from torchacc.sharding import regions
+
+    t = unwrap_sharded_tensor(t)
+    if not regions.in_manual_region(t):
+        raise RuntimeError(
+            f"xs._mark_manual_sharding: the tensor of shape {tuple(t.shape)} is not a block of a "
+            "manual region; begin one with xs.enable_manual_sharding (or "
+            "_XLAC._spmd_full_to_shard_shape) and compute the tensor from its block"
+        )
+    return wrap_as_sharded_tensor(t)
 
 
 def enable_manual_sharding(t, partition_spec, *, mesh=None):
