@@ -192,10 +192,14 @@ def main():
             layout = dict(req["layout"])
             depths = req["depths"]
             for k, depth in enumerate(depths):
+                what = (
+                    f"compiling {depth or spec.n_layer} layers"
+                    if depth or spec.n_layer
+                    else "compiling the step"
+                )
+                axes = ",".join(f"{a}={layout[a]}" for a in layout if layout[a] > 1) or "dp=1"
                 _progress(
-                    f"{req['model']} {j + 1}/{len(jobs)} "
-                    f"{','.join(f'{a}={layout[a]}' for a in layout if layout[a] > 1) or 'dp=1'}: "
-                    f"compiling {depth or spec.n_layer or ''} layers ({k + 1}/{len(depths)})"
+                    f"{req['model']} {j + 1}/{len(jobs)} {axes}: {what} ({k + 1}/{len(depths)})"
                 )
                 r = compile_one(spec, req, layout, depth, devices)
                 r["job"] = j
