@@ -48,6 +48,7 @@ STAGES = [
             "torchacc.horovod",
             "torchacc.nn",
             "torchacc.parallel",
+            "torchacc.pipeline",  # pipeline parallel: stages on the pp axis (shard_map region)
             "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
         ],

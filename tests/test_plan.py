@@ -218,7 +218,7 @@ def test_help_says_batch_size_is_global(capsys):
         (dict(mesh="tp=3"), "tp=3 does not divide llama-tiny's 4 heads"),
         (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
         (dict(mesh="tp=4"), "tp=4 does not divide llama-tiny's 2 key/value heads"),
-        (dict(mesh="dp=2,pp=2"), "pp=2: torchacc has no pipeline parallelism yet"),
+        (dict(mesh="dp=2,pp=2"), "pp=2: the planner does not plan pipeline parallelism yet"),
         (dict(model="resnet-tiny", mesh="tp=4"), "resnet-tiny: only dp and fsdp layouts"),
         (dict(model="llama-99b"), "unknown model 'llama-99b'"),
         (dict(device="h900"), "unknown accelerator 'h900'"),

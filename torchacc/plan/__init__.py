@@ -17,7 +17,8 @@ and 2 layers and every number extended linearly to its depth: layers are identic
 the same bytes, FLOPs and collectives); pipeline parallelism (one stage of L/pp layers is
 compiled with the embedding and head, on a micro-batch; 1F1B keeps up to pp micro-batches of
 activations; the bubble and the activation sends between stages are added analytically; kept
-for when torchacc has pipelines: pp > 1 is refused until then, ``_check_layout``); and
+for when the planner compiles ta.dist.PipelineParallel's step: pp > 1 is refused until then,
+``_check_layout``); and
 the step time: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + sum over collectives of
 their ring-algorithm bytes / link bandwidth`` (no overlap of communication with compute; a mesh
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
@@ -195,10 +196,11 @@ def _check_layout(spec, mesh, devices, batch_size, seq_len, microbatches):
                 )
         if spec.n_layer and spec.n_layer % mesh["pp"]:
             raise PlanError(f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers")
-        if mesh["pp"] > 1:  # (roofline.py keeps the one-stage estimate for when it lands)
+        if mesh["pp"] > 1:  # (roofline.py keeps a one-stage estimate, unchecked against a run)
             raise PlanError(
-                f"pp={mesh['pp']}: torchacc has no pipeline parallelism yet, so no real step "
-                "exists to plan; plan with pp=1 (dp, fsdp, tp, cp)"
+                f"pp={mesh['pp']}: the planner does not plan pipeline parallelism yet (its "
+                "program is not ta.dist.PipelineParallel's step, so no plan of it is checked); "
+                "plan with pp=1 (dp, fsdp, tp, cp)"
             )
         if seq_len % mesh["cp"]:
             raise PlanError(f"cp={mesh['cp']} does not divide seq_len {seq_len}")
