@@ -1,13 +1,14 @@
 """The gallery's models for the launcher's registry (``torchacc/launch_registry.py``).
 
-The launcher imports this module by name (a provider) and calls :func:`torchacc_models`. It
-imports nothing at module level: the model configurations (and torch) load only when a value
-needs them (a ``--seq_len`` bound, a ``--resume`` check).
+The launcher imports this module by name (a provider) and calls :func:`torchacc_models`; the
+planner (``torchacc.plan``) calls :func:`torchacc_plan_models`. It imports nothing at module
+level: the model configurations (and torch) load only when a value needs them (a ``--seq_len``
+bound, a ``--resume`` check, a plan).
 """
 
 from __future__ import annotations
 
-__all__ = ["torchacc_models"]
+__all__ = ["torchacc_models", "torchacc_plan_models"]
 
 # --model name -> worker module. GPT and LLaMA names are the configurations in
 # gallery/gpt/model.py and gallery/llama/model.py (tests check they agree).
@@ -59,3 +60,11 @@ def torchacc_models() -> list[dict]:
             for n in names
         ]
     return out
+
+
+def torchacc_plan_models() -> list[dict]:
+    """The planner's models (``gallery/plan_models.py``): the gallery's configurations and the
+    shape-only published ones; imports torch and the model modules, so only the planner calls it."""
+    from gallery.plan_models import plan_models
+
+    return plan_models()

@@ -114,7 +114,7 @@ def test_accelerate_refuses_before_anything_happens(settings, message):
 @pytest.mark.parametrize(
     "path,backend,message",
     [
-        ("dist.pp.size", "lazy", "Config.dist.pp.size = 2: pipeline"),
+        ("dist.pp.size", "eager", "Config.dist.pp.size = 2: pipeline"),  # lazy: supported
         ("dist.sp.size", "eager", "Config.dist.sp.size = 2: sequence"),
         ("dist.tp.size", "eager", "Config.dist.tp.size = 2 on backend 'eager'"),
     ],

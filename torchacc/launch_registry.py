@@ -25,7 +25,17 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Model", "register", "models", "lookup", "flag_error", "MODELS", "PROVIDER_ENV"]
+__all__ = [
+    "Model",
+    "register",
+    "models",
+    "lookup",
+    "flag_error",
+    "MODELS",
+    "PROVIDER_ENV",
+    "register_plan",
+    "plan_models",
+]
 
 PROVIDER_ENV = "TORCHACC_MODEL_PROVIDERS"
 _DEFAULT_PROVIDERS = ("gallery.registry",)  # the checkout's gallery, when importable
@@ -100,6 +110,47 @@ def models() -> dict[str, Model]:
     """Every registered model, by name (the providers are imported on the first call)."""
     _load_providers()
     return dict(_registered)
+
+
+# The planner's models (``torchacc.plan``): a provider may also define ``torchacc_plan_models()``,
+# a list of dicts with ``name``, ``build`` (``(n_layer or None, scan_layers) -> nn.Module``) and
+# the shape the planner reads (``kind``, ``n_layer``, ``n_head``, ``n_kv_head``, ``d_model``,
+# ``vocab``, ``max_seq``, ``image``, ``classes``, ``layer_prefix``: torchacc/plan/models.py's
+# ModelSpec). It is called only when a plan needs a model (it may import torch).
+_plan_registered: dict[str, dict] = {}
+_plan_loaded = False
+
+
+def register_plan(name: str, build: Callable, **fields) -> dict:
+    """Add (or replace) the planner's model ``name``: ``build(n_layer, scan_layers)`` returns
+    the ``nn.Module``; ``fields`` are the rest of a provider's entry (comment above)."""
+    if not callable(build):
+        raise ValueError(f"register_plan({name!r}): build must be callable")
+    entry = dict(fields, name=name, build=build)
+    _plan_registered[name] = entry
+    return entry
+
+
+def plan_models() -> dict[str, dict]:
+    """Every model the planner can size, by name: :func:`register_plan` entries and the
+    providers' ``torchacc_plan_models()`` (the providers are imported on the first call)."""
+    global _plan_loaded
+    if not _plan_loaded:
+        _plan_loaded = True
+        explicit = {n.strip() for n in os.environ.get(PROVIDER_ENV, "").split(",") if n.strip()}
+        for name in _provider_names():
+            try:
+                module = importlib.import_module(name.partition(":")[0])
+                entries = getattr(module, "torchacc_plan_models", lambda: [])()
+            except ImportError:
+                if name in explicit:
+                    raise
+                continue
+            for entry in entries:
+                entry = dict(entry)
+                if entry["name"] not in _plan_registered:  # register_plan() beats a provider
+                    register_plan(entry.pop("name"), entry.pop("build"), **entry)
+    return dict(_plan_registered)
 
 
 def is_entry(name: str) -> bool:

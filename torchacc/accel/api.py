@@ -35,6 +35,9 @@ Order of work (everything is checked before anything happens):
    FSDPv2 and Megatron's column->row Linear pairs through XLA's partitioner
    (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
    ValueError before anything changes);
+   With ``dist.pp.size > 1`` (backend ``'lazy'``) the model is cut into stages on the ``pp``
+   axis of a (dp, fsdp, pp) mesh instead (torchacc/pipeline/): the returned model trains with
+   ``model.forward_backward(...)``; gc and bf16/fp16 apply to its stages;
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
    path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
    rank's batch (its ``DistributedSampler`` share) is its part of the global batch (Note
@@ -70,9 +73,10 @@ def _world_size():
 
 def _refuse_unsupported(config, sizes):
     dp, fsdp, tp, pp, sp = sizes
-    if pp > 1:
+    if pp > 1 and (not config.is_lazy_backend() or tp > 1 or sp > 1):
         raise NotImplementedError(
-            f"Config.dist.pp.size = {pp}: pipeline parallelism is not supported by torchacc"
+            f"Config.dist.pp.size = {pp}: pipeline parallelism runs on backend 'lazy' with dp "
+            f"and fsdp (got backend {config.backend!r}, tp.size {tp}, sp.size {sp})"
         )
     if sp > 1:
         raise NotImplementedError(
@@ -253,6 +257,49 @@ def _eager(model, config, sizes):
     return model, dev
 
 
+def _loader(dataloader, device, config, input_sharding):
+    dl = config.dataloader
+    return AsyncLoader(
+        dataloader,
+        device,
+        buckets=dl.buckets,
+        max_length=dl.max_length,
+        num_buckets=dl.num_buckets or 8,
+        pad_value_dict=dl.pad_value_dict,
+        input_sharding=input_sharding,
+    )
+
+
+def _pipeline(model, dataloader, config, sizes, dtype):
+    """``dist.pp.size > 1``: the model cut into stages on the pp axis of a (dp, fsdp, pp) mesh
+    (torchacc/pipeline/); train with ``model.forward_backward(...)``. gc makes each stage a
+    recomputed (``jax.checkpoint``) function; bf16/fp16 run the stages under autocast."""
+    from torchacc.lazy.device import device
+    from torchacc.pipeline import PipelineModule
+
+    dp, fsdp, _, pp, _ = sizes
+    dist = config.dist
+    model = PipelineModule(
+        model,
+        pp,
+        dist.pp.split_points,
+        num_micro_batches=dist.pp.num_micro_batches,
+        schedule=dist.pp.schedule,
+        fsdp=fsdp,
+        topology=[t for t in dist.topology if t in ("dp", "fsdp", "pp")],
+        dp=dp,
+        autocast=dtype,
+    )
+    if config.memory.gc:
+        apply_gc(model._underlay, config.memory.gc_cls, config.memory.gc_cnt, lazy=True)
+    dev = device()
+    model.to(dev)
+    model.device = dev
+    if dataloader is None:
+        return model
+    return model, _loader(dataloader, dev, config, None)
+
+
 def accelerate(model, dataloader=None, config=None):
     """Set ``model`` (and ``dataloader``) up as ``config`` says; returns ``(model, loader)``, or
     just the model when no dataloader is given. See the module docstring for what happens."""
@@ -266,7 +313,9 @@ def accelerate(model, dataloader=None, config=None):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
     lazy = config.is_lazy_backend()
     config.validate()
-    spmd = lazy and (config.dist.fsdp.size > 1 or config.dist.tp.size > 1)
+    spmd = lazy and (
+        config.dist.fsdp.size > 1 or config.dist.tp.size > 1 or config.dist.pp.size > 1
+    )
     sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
     _refuse_unsupported(config, sizes)
     tp_plan = None
@@ -274,10 +323,12 @@ def accelerate(model, dataloader=None, config=None):
         from torchacc.sharding import recipes
 
         tp_plan = recipes.megatron_plan(model, sizes[2])
-    if config.memory.gc:
-        apply_gc(model, config.memory.gc_cls, config.memory.gc_cnt, lazy=lazy)
     compute = config.compute
     dtype = torch.bfloat16 if compute.bf16 else torch.float16 if compute.fp16 else None
+    if lazy and sizes[3] > 1:  # the split points are checked before anything changes
+        return _pipeline(model, dataloader, config, sizes, dtype)
+    if config.memory.gc:
+        apply_gc(model, config.memory.gc_cls, config.memory.gc_cnt, lazy=lazy)
     if dtype is not None or compute.acc_scaled_dot_attn:
         # before DDP/FSDP wrap it: they call the module's own forward
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -290,14 +341,4 @@ def accelerate(model, dataloader=None, config=None):
         model.device = device
     if dataloader is None:
         return model
-    dl = config.dataloader
-    loader = AsyncLoader(
-        dataloader,
-        device,
-        buckets=dl.buckets,
-        max_length=dl.max_length,
-        num_buckets=dl.num_buckets or 8,
-        pad_value_dict=dl.pad_value_dict,
-        input_sharding=input_sharding,
-    )
-    return model, loader
+    return model, _loader(dataloader, device, config, input_sharding)

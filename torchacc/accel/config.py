@@ -150,9 +150,40 @@ class TPConfig:
     size: int = 1
 
 
+PP_SCHEDULES = ("1F1B", "PipeDreamFlush", "GPipe")
+
+
 @dataclass(slots=True)
 class PPConfig:
+    """Pipeline parallel (``ta.dist.PipelineParallel``; torchacc/pipeline/): ``size`` stages,
+    cut *before* each of ``split_points`` (module names or modules; ``size - 1`` of them);
+    each batch is split into ``num_micro_batches``; ``schedule`` is ``"1F1B"`` (TorchAcc's
+    PipeDreamFlush, the default) or ``"GPipe"``. ``input_names`` / ``broadcast_loss`` are
+    TorchAcc's (the loss is the same on every device here)."""
+
     size: int = 1
+    num_micro_batches: int = 1
+    input_names: list | None = None
+    split_points: list = field(default_factory=list)
+    broadcast_loss: bool = True
+    schedule: str = "1F1B"
+
+    def validate(self):
+        _size("dist.pp.size", self.size)
+        _size("dist.pp.num_micro_batches", self.num_micro_batches)
+        _bool("dist.pp.broadcast_loss", self.broadcast_loss)
+        if not isinstance(self.split_points, (list, tuple)):
+            raise ValueError(
+                f"Config.dist.pp.split_points must be a list of module names or modules, got "
+                f"{self.split_points!r}"
+            )
+        if str(getattr(self.schedule, "name", self.schedule)).lower() not in {
+            s.lower() for s in PP_SCHEDULES
+        }:
+            raise ValueError(
+                f"Config.dist.pp.schedule must be one of {list(PP_SCHEDULES)}, got "
+                f"{self.schedule!r}"
+            )
 
 
 @dataclass(slots=True)
@@ -183,6 +214,7 @@ class DistConfig:
         _size("dist.dp.size", self.dp.size, allow_none=True)
         for name in ("fsdp", "tp", "pp", "sp"):
             _size(f"dist.{name}.size", getattr(self, name).size)
+        self.pp.validate()
         _names("dist.fsdp.wrap_layer_cls", self.fsdp.wrap_layer_cls)
         _bool("dist.fsdp.flatten_parameters", self.fsdp.flatten_parameters)
         _bool("dist.fsdp.sync_module_states", self.fsdp.sync_module_states)

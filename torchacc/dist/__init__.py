@@ -6,7 +6,8 @@
 ``"lazy"`` ``torch.distributed`` backend: TorchAcc's name for the lazy device's process group,
 here torchacc's ``"xla"`` one (torchacc/distributed/xla_backend.py, imported on first use), so
 ``torch.distributed.init_process_group(backend="lazy")`` works after ``import torchacc``.
-Pipeline parallel (``PipelineParallel``, ``ParallelModule``) is not here yet.
+Pipeline parallel: ``PipelineParallel(model, config)`` and its base ``ParallelModule``
+(parallel_module.py, over torchacc/pipeline/).
 """
 
 from __future__ import annotations
@@ -19,6 +20,14 @@ from torchacc.distributed import torch_api as _torch_api
 from torchacc.lazy.device import DEVICE_TYPE
 
 BACKEND_NAME = "lazy"
+
+
+def __getattr__(name):  # pipeline parallel pulls in JAX: imported on first use
+    if name in ("ParallelModule", "PipelineParallel"):
+        from torchacc.dist import parallel_module
+
+        return getattr(parallel_module, name)
+    raise AttributeError(f"module 'torchacc.dist' has no attribute {name!r}")
 
 
 def _eager_backend_name():
@@ -80,6 +89,8 @@ _register_lazy_backend()
 
 __all__ = [
     "BACKEND_NAME",
+    "ParallelModule",
+    "PipelineParallel",
     "init_process_group",
     "local_rank",
     "rank",

@@ -1,5 +1,6 @@
 """``torch.ops.torchacc.call_graph`` and ``torchacc.while_loop``: traced FX graphs as one node;
-``torchacc.call_jax``: a JAX function as one node (torch_xla's ``xb.call_jax``).
+``torchacc.call_jax``: a JAX function as one node (torch_xla's ``xb.call_jax``;
+``call_jax_rng`` for one taking the step's RNG key).
 
 Note [Traced regions]
 ``assume_pure`` and ``while_loop`` (torchacc/lazy/region.py) trace a function once, on fake
@@ -191,11 +192,13 @@ class JaxCall:
         self.key = f"call_jax-{getattr(fn, '__name__', 'fn')}-{len(JAX_CALLS)}"
         JAX_CALLS[self.key] = self
 
-    def __call__(self, arrays):
+    def __call__(self, arrays, rng=None):
         leaves = [self.statics.get(i) for i in range(self.treedef.num_leaves)]
         for i, a in zip(self.tensor_pos, arrays):
             leaves[i] = a
         args, kwargs = jax.tree_util.tree_unflatten(self.treedef, leaves)
+        if rng is not None:  # call_jax_rng: the function takes the step's key as ``rng=``
+            kwargs = {**kwargs, "rng": rng}
         with jax.default_matmul_precision(self.precision):
             return jax.tree_util.tree_leaves(self.fn(*args, **kwargs))
 
@@ -211,3 +214,15 @@ call_jax = torch.ops.torchacc.call_jax.default
 @register(call_jax)
 def _call_jax(args, fn):
     return list(JAX_CALLS[fn](list(args)))
+
+
+# the same for a function with random ops: a random op itself (it takes and advances the device
+# RNG state), the function gets the key as ``rng=`` (pipeline stages with dropout)
+_lib.define("call_jax_rng(Tensor[] args, str fn) -> Tensor[]")
+_lib.impl("call_jax_rng", _call_jax_meta, "Meta")
+call_jax_rng = torch.ops.torchacc.call_jax_rng.default
+
+
+@register(call_jax_rng, rng=True)
+def _call_jax_rng(args, fn, rng):
+    return list(JAX_CALLS[fn](list(args), rng))

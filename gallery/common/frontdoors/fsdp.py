@@ -5,6 +5,7 @@ writes its own shards, a resume reshards to this run's layout), else torch's FSD
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch.distributed as dist
@@ -21,8 +22,13 @@ def _as_tuple(inputs) -> tuple:
     return inputs if isinstance(inputs, tuple) else (inputs,)
 
 
-def sharded_state(model, optimizer, step):
-    return {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+def sharded_state(model, optimizer, step, data=None):
+    """What a sharded checkpoint holds; ``data``: the loader's position (``EpochBatches``'s state,
+    stored as one JSON string: the same on every process, and its keys need no template)."""
+    state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step}
+    if data is not None:
+        state["data"] = json.dumps(data)
+    return state
 
 
 class FSDPv2(Compiler):
@@ -35,6 +41,7 @@ class FSDPv2(Compiler):
         xr.use_spmd()  # SPMD mode before the device is first used (torch_xla's order)
         self.mesh = None
         self.manager = None
+        self.resumed_data = None  # (the loader position, the checkpoint) after a --resume
 
     def shard(self, model):
         """FSDPv2 over a (data, fsdp) mesh of every device; logs each device's parameter bytes."""
@@ -126,20 +133,27 @@ class FSDPv2(Compiler):
         if not steps:
             line = f"error: --resume {args.resume}: no sharded checkpoint (<step>/ directories)"
             raise exit_reported(2, line, rank)
+        from torchacc.distributed.checkpoint_manager import check_checkpoint
+
         prime_optimizer(optimizer)
-        state = sharded_state(model, optimizer, 0)
-        try:
+        path = os.path.join(args.resume, str(max(steps)))
+        try:  # a checkpoint without a data position (older ones): the step says where
+            has_data = "data" in check_checkpoint(path).state_dict_metadata
+            state = sharded_state(model, optimizer, 0, data={} if has_data else None)
             manager.restore(max(steps), state)
         except ValueError as e:
             raise exit_reported(2, f"error: --resume {args.resume}: {e}", rank) from None
         optimizer.load_state_dict(state["optimizer"])
+        if has_data:
+            self.resumed_data = (json.loads(state["data"]), path)
         return int(state["step"])
 
-    def save(self, step: int, model, optimizer, errors: list[str]) -> bool:
-        """Every process writes its shards of ``step``; False, after one line, if it failed."""
+    def save(self, step: int, model, optimizer, errors: list[str], data=None) -> bool:
+        """Every process writes its shards of ``step`` (and ``data``, the loader's position);
+        False, after one line, if it failed."""
         self.xm.mark_step()
         try:
-            self.manager.save(step, sharded_state(model, optimizer, step), force=True)
+            self.manager.save(step, sharded_state(model, optimizer, step, data), force=True)
         except (OSError, RuntimeError) as e:
             line = f"could not save the sharded checkpoint of step {step}: {e}"
             self.logger.warning(line)

@@ -34,6 +34,13 @@ from torchacc.torch_xla.distributed.spmd._mesh import (  # noqa: F401
     set_global_mesh,
 )
 
+# torch's DTensor vocabulary (an xla DeviceMesh, placements) lives in _placements.py
+from torchacc.torch_xla.distributed.spmd._placements import (  # noqa: F401
+    _as_mesh,
+    _entry,
+    _placement_spec,
+)
+
 # a Mesh asks this module's _device_count at call time (Note in _mesh.py: _count_source)
 _mesh_module._count_source[0] = lambda: _device_count()
 
@@ -451,17 +458,6 @@ def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, o
     return module
 
 
-def _as_mesh(mesh):
-    """An ``xs.Mesh`` for ``mesh`` (an ``xs.Mesh``, or torch's ``DeviceMesh("xla", ...)``)."""
-    grid = getattr(mesh, "mesh", None)
-    if isinstance(grid, torch.Tensor) and getattr(mesh, "device_type", None) in (
-        "xla",
-        DEVICE_TYPE,
-    ):
-        return Mesh(grid.flatten().tolist(), tuple(grid.shape), mesh.mesh_dim_names)
-    return mesh
-
-
 def xla_distribute_tensor(tensor, device_mesh, placements=None):
     """torch's ``distribute_tensor`` on an ``xla`` DeviceMesh: ``Shard(d)`` on mesh dim ``i``
     splits tensor dim ``d`` over mesh axis ``i``, ``Replicate()`` leaves it whole (a CPU tensor
@@ -486,27 +482,6 @@ def xla_distribute_tensor(tensor, device_mesh, placements=None):
     if tensor.requires_grad:
         return XLAShardedTensor(out.global_tensor, requires_grad=True)
     return out
-
-
-def _entry(e):
-    return e if isinstance(e, tuple) else (e,)
-
-
-def _placement_spec(placements, ndim, call):
-    """The partition spec of DTensor ``placements`` (one per mesh axis) for a rank-``ndim``
-    tensor: ``Shard(d)`` on axis ``i`` splits dim ``d`` over axis ``i``."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
-    spec = [None] * ndim
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
-                raise IndexError(f"{call}: {p} of a tensor of rank {ndim}")
-            d = p.dim % ndim
-            spec[d] = axis if spec[d] is None else (*_entry(spec[d]), axis)
-        elif not isinstance(p, Replicate):
-            raise NotImplementedError(f"{call}: placement {p} (only Shard and Replicate)")
-    return tuple(spec)
 
 
 def _mark_manual_sharding(t):

@@ -1,0 +1,278 @@
+"""Pipeline parallel on 4 CPU devices (run by tests/test_pipeline.py with CPU_NUM_DEVICES=4):
+``ta.dist.PipelineParallel`` / ``pipeline_parallel`` against the unpipelined eager model (losses,
+gradients, updates; GPipe and 1F1B), per-device parameter bytes, no recompile after step 2,
+pp x dp and pp x fsdp, gc + bf16, skips and tied weights across stages, accelerate, bad input.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+from compile_counts import new_graphs  # noqa: E402
+
+import torchacc as ta  # noqa: E402
+from torchacc import metrics  # noqa: E402
+from torchacc.pipeline import pipeline_parallel  # noqa: E402
+from torchacc.sharding import api  # noqa: E402
+
+D, V, B, T = 16, 32, 8, 5
+
+
+class Block(torch.nn.Module):
+    def __init__(self, d=D):
+        super().__init__()
+        self.ln = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + torch.tanh(self.fc(self.ln(x)))
+
+
+class Net(torch.nn.Module):
+    def __init__(self, layers=4, tied=False):
+        super().__init__()
+        self.emb = torch.nn.Embedding(V, D)
+        self.blocks = torch.nn.ModuleList(Block() for _ in range(layers))
+        self.head = torch.nn.Linear(D, V, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        x = self.emb(ids)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+class SkipNet(torch.nn.Module):  # TorchAcc's tests/standalone/pipeline.py --test_skip, smaller
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2, self.fc3, self.fc4 = (torch.nn.Linear(D, D) for _ in range(4))
+
+    def forward(self, x):
+        x1 = self.fc1(x)
+        x2 = self.fc2(x1)
+        x3 = self.fc3(x1)
+        x4 = self.fc4(x2)
+        return x3 + x4
+
+
+def loss_fn(logits, labels):
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, V), labels.reshape(-1))
+
+
+def mse(out, labels):
+    return ((out - labels) ** 2).mean()
+
+
+def _data(seed=0, b=B):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, V, (b, T), generator=g), torch.randint(0, V, (b, T), generator=g)
+
+
+def _pair(make=Net, **kw):
+    torch.manual_seed(0)
+    ref, model = make(**kw), make(**kw)
+    model.load_state_dict(ref.state_dict())
+    return ref, model
+
+
+def _max_err(pm, ref, grads):
+    got = pm.unpacked(grads=grads)
+    worst = 0.0
+    for name, p in ref.named_parameters():
+        want = p.grad if grads else p.detach()
+        worst = max(worst, float((got[name].cpu().float() - want).abs().max()))
+    return worst
+
+
+def _train(pm, ref, steps, out_fn=loss_fn, data=_data, lr=0.1):
+    """``steps`` SGD steps on both; per step (loss error, grad error); then the param error."""
+    opt = torch.optim.SGD(pm.parameters(), lr=lr)
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=lr)
+    dev = ta.device()
+    errs = []
+    for s in range(steps):
+        x, y = data(s)
+        ref_opt.zero_grad()
+        want = out_fn(ref(x), y)
+        want.backward()
+        opt.zero_grad()
+        loss = pm.forward_backward(x.to(dev), labels=y.to(dev), output_fn=out_fn)
+        ta.sync()
+        errs.append((abs(float(loss) - float(want)), _max_err(pm, ref, grads=True)))
+        opt.step()
+        ref_opt.step()
+        ta.sync()
+    return errs, _max_err(pm, ref, grads=False)
+
+
+def _mesh(shape, names):
+    api.use_spmd()
+    return api.jax_mesh(range(4), shape, names)
+
+
+@pytest.mark.parametrize("schedule", ["GPipe", "1F1B"])
+def test_losses_gradients_updates_equal_eager_and_no_recompile(schedule):
+    """pp=4, 4 micro-batches: 3 SGD steps equal the unpipelined model's (loss, every gradient,
+    the updated parameters) within 1e-5 fp32; nothing compiles after step 2."""
+    ref, model = _pair()
+    pm = pipeline_parallel(
+        model, _mesh([4], ["pp"]), ["blocks.1", "blocks.2", "blocks.3"], 4, schedule
+    )
+    pm.to(ta.device())
+    errs, param_err = _train(pm, ref, 2)
+    metrics.clear_all()
+    more, param_err = _train(pm, ref, 1)
+    assert new_graphs() == 0, metrics.short_metrics_report()
+    for loss_err, grad_err in errs + more:
+        assert loss_err <= 1e-5 and grad_err <= 1e-5, (errs, more)
+    assert param_err <= 1e-5
+
+
+def test_per_device_parameter_bytes_are_one_stage():
+    """4 equal blocks on pp=4: each device holds its stage's parameters only (<= 1/pp + 10%
+    of the model's), read from the arrays' shardings."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    total = sum(p.numel() * 4 for p in model.parameters())
+    pm = pipeline_parallel(model, _mesh([4], ["pp"]), ["1", "2", "3"], 2, "1F1B")
+    pm.to(ta.device())
+    per = api.per_device_bytes(list(pm.parameters()))
+    assert len(per) == 4 and max(per.values()) <= total / 4 * 1.1, (per, total)
+    x = torch.randn(8, 64)
+    pm.forward_backward(x.to(ta.device()), labels=x.to(ta.device()), output_fn=mse)
+    ta.sync()
+    grads = api.per_device_bytes([p.grad for p in pm.parameters()])
+    assert max(grads.values()) <= total / 4 * 1.1, grads
+
+
+@pytest.mark.parametrize("axis", ["dp", "fsdp"])
+def test_pp_by_dp_or_fsdp_equals_eager(axis):
+    """pp=2 x dp=2 / fsdp=2 through ta.dist.PipelineParallel and the Config: 2 steps equal
+    the eager model; under fsdp each packed row is also split over fsdp."""
+    ref, model = _pair(layers=2)
+    config = ta.Config()
+    config.dist.pp.size = 2
+    config.dist.pp.num_micro_batches = 2
+    config.dist.pp.split_points = [model.blocks[1]]
+    config.dist.pp.schedule = "1F1B" if axis == "dp" else "GPipe"
+    getattr(config.dist, axis).size = 2
+    if axis == "dp":
+        config.dist.dp.size = 2
+    pm = ta.dist.PipelineParallel(model, config)
+    assert isinstance(pm, ta.dist.ParallelModule)
+    pm.to(ta.device())
+    assert dict(pm.mesh().shape) == {
+        "dp": 2 if axis == "dp" else 1,
+        "fsdp": 2 if axis == "fsdp" else 1,
+        "pp": 2,
+    }
+    if axis == "fsdp":
+        spec = api.sharding_of(pm.packed_0).spec
+        assert tuple(spec) == ("pp", "fsdp"), spec
+    errs, param_err = _train(pm, ref, 2)
+    for loss_err, grad_err in errs:
+        assert loss_err <= 1e-5 and grad_err <= 1e-5, errs
+    assert param_err <= 1e-5
+    if axis == "dp":  # forward(): the mean loss, no gradients
+        x, y = _data(5)
+        with torch.no_grad():
+            loss = pm.forward(x.to(ta.device()), labels=y.to(ta.device()), output_fn=loss_fn)
+            want = loss_fn(ref(x), y)
+        assert abs(float(loss) - float(want)) <= 1e-5
+
+
+def test_skip_connections_and_tied_weights_across_stages():
+    """TorchAcc's SkipNet split (fc2 | fc3 | fc4: x1 crosses two stages) and a model whose head
+    is tied to its embedding (read by the first and last stage: replicated, gradient summed)."""
+    ref, model = _pair(SkipNet)
+    pm = pipeline_parallel(model, _mesh([4], ["pp"]), ["fc2", "fc3", "fc4"], 2, "1F1B")
+    pm.to(ta.device())
+
+    def data(s):
+        g = torch.Generator().manual_seed(s)
+        return torch.randn(B, D, generator=g), torch.randn(B, D, generator=g)
+
+    errs, param_err = _train(pm, ref, 1, out_fn=mse, data=data)
+    assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
+    ref, model = _pair(tied=True)
+    pm = pipeline_parallel(model, _mesh([2, 2], ["dp", "pp"]), ["blocks.2"], 2, "GPipe")
+    pm.to(ta.device())
+    assert pm._shared_names == ["emb.weight"]
+    errs, param_err = _train(pm, ref, 1)
+    assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
+
+
+def test_gradient_checkpointing_and_bf16():
+    """TorchAcc's script order: wrap, gradient_checkpoint the underlay model, to(device), then
+    forward_backward under torch.cuda.amp.autocast(bf16): the stages run recomputed
+    (jax.checkpoint) in bf16; loss and gradients stay within bf16 error of fp32 eager."""
+    import torchacc.utils.checkpoint as checkpoint
+
+    ref, model = _pair()
+    config = ta.Config()
+    config.dist.pp.size = 2
+    config.dist.pp.num_micro_batches = 2
+    config.dist.pp.split_points = ["blocks.2"]
+    pm = ta.dist.PipelineParallel(model, config)
+    under = checkpoint.gradient_checkpoint(pm._get_underlay_model(), {"Block"})
+    pm._update_underlay_model(under)
+    pm.to(ta.device())
+    x, y = _data()
+    want = loss_fn(ref(x), y)
+    want.backward()
+    with torch.cuda.amp.autocast(dtype=torch.bfloat16):
+        loss = pm.forward_backward(x.to(ta.device()), labels=y.to(ta.device()), output_fn=loss_fn)
+    ta.sync()
+    assert pm.plan.remat
+    assert abs(float(loss) - float(want)) <= 2e-2
+    got = pm.unpacked(grads=True)
+    for name, p in ref.named_parameters():
+        assert float((got[name].cpu() - p.grad).abs().max()) <= 2e-2, name
+
+
+def test_accelerate_with_pp_and_dp():
+    """ta.accelerate with dist.pp.size = 2 (dp = 2 by the device count) returns the pipelined
+    model; one step equals eager."""
+    ref, model = _pair(layers=2)
+    config = ta.Config()
+    config.dist.pp.size = 2
+    config.dist.pp.num_micro_batches = 2
+    config.dist.pp.split_points = ["blocks.1"]
+    pm = ta.accelerate(model, config=config)
+    assert dict(pm.mesh().shape)["dp"] == 2 and pm.num_stages == 2
+    errs, param_err = _train(pm, ref, 1)
+    assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
+
+
+def test_bad_input_is_one_value_error_naming_the_sizes_and_changes_nothing():
+    ref, model = _pair()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = ta.Config()
+    config.dist.pp.size = 4
+    config.dist.pp.split_points = ["blocks.1", "blocks.2"]
+    with pytest.raises(ValueError, match=r"pp.size=4 .* 2 split points"):
+        ta.dist.PipelineParallel(model, config)
+    config.dist.pp.split_points = ["blocks.1", "blocks.9", "blocks.3"]
+    with pytest.raises(ValueError, match=r"'blocks.9' names no module .*4 stages"):
+        ta.dist.PipelineParallel(model, config)
+    with pytest.raises(ValueError, match="pp.size=2 needs"):
+        pipeline_parallel(model, _mesh([2, 2], ["dp", "pp"]), ["blocks.1", "blocks.2"], 2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert type(model.blocks[1]) is Block and "forward" not in vars(model.blocks[1])
+    config.dist.pp.split_points = ["blocks.1", "blocks.2", "blocks.3"]
+    config.dist.pp.num_micro_batches = 3
+    pm = ta.dist.PipelineParallel(model, config)
+    pm.to(ta.device())
+    ta.sync()
+    rows = pm.packed_0.cpu().clone()
+    x, y = _data()
+    with pytest.raises(ValueError, match=r"num_micro_batches=3 does not divide the batch size 8"):
+        pm.forward_backward(x.to(ta.device()), labels=y.to(ta.device()), output_fn=loss_fn)
+    ta.sync()
+    assert pm.packed_0.grad is None and torch.equal(pm.packed_0.cpu(), rows)
