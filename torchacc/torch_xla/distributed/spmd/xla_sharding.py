@@ -253,8 +253,9 @@ def _dtensor_spec(t):
 
 
 def _wrap_result(x):
-    """An op on a sharded tensor gives a sharded tensor (on the device), as torch_xla's does."""
-    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
+    """An op on a sharded tensor gives a sharded tensor, as torch_xla's does: on the device, or
+    on the CPU (``.cpu()`` of a sharded tensor: its ``global_tensor`` is the host copy)."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, XLAShardedTensor):
         return XLAShardedTensor(x, requires_grad=False)
     return x
 
