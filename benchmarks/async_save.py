@@ -13,7 +13,9 @@ the bytes of this process's shards (a tied weight counted under each name) and t
 the process grew by during the saves (peak RSS over the pre-save level, which includes the
 steps' own working memory: ``normal_step_growth_MiB`` is that of a step with no save; on a CPU
 device it includes the on-device copy, Note [Asynchronous saves] in
-torchacc/distributed/checkpoint.py). ``--sync`` measures ``save`` (the
+torchacc/distributed/checkpoint.py), and where the CPU went: the process's CPU seconds per normal
+step and per step during a save (all threads), the writer thread's CPU seconds per save, the
+``save_async`` call's own time on the training thread. ``--sync`` measures ``save`` (the
 blocking one) instead, for comparison.
 """
 
@@ -117,6 +119,19 @@ def main(argv=None):
 
         return done
 
+    # CPU seconds: the process's per step (every thread: the step's XLA threads, the writer,
+    # JAX's copy threads), the writer thread's per save, the save call on the training thread
+    cpu_normal, cpu_during, writer_cpu, call_s = [], [], [], []
+    write = mgr._save
+
+    def timed_write(*a, **kw):
+        c0 = time.thread_time()
+        try:
+            return write(*a, **kw)
+        finally:
+            writer_cpu.append(time.thread_time() - c0)
+
+    mgr._save = timed_write
     normal_peaks = []  # RSS growth of a step with no save in flight: its own working memory
     for step in range(1, args.steps + 1):
         tokens = batches[step % 2]
@@ -125,6 +140,7 @@ def main(argv=None):
             step_base = _rss()
             peak.reset()
         t0 = time.perf_counter()
+        c0 = sum(os.times()[:2])
         logits = model(tokens[:, :-1])
         loss = F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
         opt.zero_grad()
@@ -146,9 +162,13 @@ def main(argv=None):
             else:
                 mgr.save_async(step, state)
                 mgr._futures[-1].add_done_callback(finished(started))
+            call_s.append(time.perf_counter() - started)
         dt = time.perf_counter() - t0
+        cpu = sum(os.times()[:2]) - c0
         if step > args.warmup:
-            (during if busy or saving or in_flight() else times).append(dt)
+            is_during = busy or saving or in_flight()
+            (during if is_during else times).append(dt)
+            (cpu_during if is_during else cpu_normal).append(cpu)
     mgr.join()
     peak.stop()
     normal = statistics.median(times) if times else float("nan")
@@ -170,6 +190,13 @@ def main(argv=None):
         "local_shard_MiB": round(shard_bytes / 2**20, 1),
         "host_growth_MiB": [round(g / 2**20, 1) for g in grown],
         "normal_step_growth_MiB": round(max(normal_peaks) / 2**20, 1) if normal_peaks else None,
+        "save_call_s": [round(c, 3) for c in call_s],
+        "cpu_s_per_normal_step": round(statistics.median(cpu_normal), 2) if cpu_normal else None,
+        "cpu_s_per_step_during_save": round(statistics.median(cpu_during), 2)
+        if cpu_during
+        else None,
+        "writer_thread_cpu_s": [round(c, 2) for c in writer_cpu],
+        "load_average": os.getloadavg()[0],
         "loss": float(loss.item()),
     }
     print(json.dumps(result), flush=True)

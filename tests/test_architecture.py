@@ -35,6 +35,7 @@ STAGES = [
             "torchacc.launch_args",
             "torchacc.launch_registry",
             "torchacc.launch_worker",
+            "torchacc.plan",  # python -m torchacc.plan: reads the registry's models
         ],
     ),
     (
@@ -48,7 +49,6 @@ STAGES = [
             "torchacc.nn",
             "torchacc.parallel",
             "torchacc.pipeline",  # pipeline parallel: stages on the pp axis (shard_map region)
-            "torchacc.plan",
             "torchacc.sharding",  # the one engine's library half (api, collectives, regions)
             "torchacc_ops",
         ],
@@ -295,6 +295,45 @@ def test_every_module_says_what_it_owns():
         if len(doc) < 40:
             silent.append(f"{name}: {doc!r}")
     assert silent == []
+
+
+def _gallery_imports(path):
+    """Where module ``path`` imports the gallery: ``import gallery...``, ``from gallery...``, or
+    ``import_module("gallery...")`` / ``__import__`` with a literal or f-string name."""
+    found = []
+    for node in ast.walk(ast.parse(open(path).read(), path)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            names = [node.module or ""]
+        elif isinstance(node, ast.Call) and node.args:
+            func = node.func
+            called = getattr(func, "attr", None) or getattr(func, "id", None)
+            if called in ("import_module", "__import__"):
+                arg = node.args[0]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+                    names = [arg.value]
+                elif isinstance(arg, ast.JoinedStr) and arg.values:
+                    head = arg.values[0]
+                    names = [head.value] if isinstance(head, ast.Constant) else []
+        found += [f"line {node.lineno}: {n}" for n in names if n.split(".")[0] == "gallery"]
+    return found
+
+
+def test_torchacc_never_imports_the_gallery():
+    """The package line: the gallery fills torchacc's registries (launch_registry.py); torchacc
+    (the launcher, the planner) never imports it."""
+    wrong = [f"{m} {hit}" for m, path in MODULES.items() for hit in _gallery_imports(path)]
+    assert wrong == []
+
+
+def test_the_gallery_checker_finds_a_dynamic_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        'import importlib\n\ndef f(x):\n    importlib.import_module(f"gallery.{x}.model")\n'
+    )
+    assert _gallery_imports(str(src)) == ["line 4: gallery."]
 
 
 def test_the_checker_sees_function_level_imports():

@@ -79,6 +79,12 @@ def test_notebook_executes(tmp_path):
     table = text["accelerate"]
     assert "| backend | step ms (median) | programs |" in table
     assert "| eager |" in table and "| lazy |" in table
+    # the parallel axes side by side on 4 CPU devices: each mesh's loss equals eager's
+    axes = text["axes"]
+    for name in ("dp 2 x fsdp 2", "fsdp 4", "tp 4", "cp 4 (sp)"):
+        (row,) = [ln for ln in axes.splitlines() if ln.startswith(f"| {name} |")]
+        assert float(row.split("|")[4]) <= 1e-5, row
+    assert "all-to-all" in axes and "| tp 4 | " in axes
     # the curves of both runs, read back from their TensorBoard event files (4 steps each)
     pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install .[test])")
     runs = ["baseline_1p", "torchacc_1p"] if RUN_COMPILER_CELLS else ["baseline_1p"]

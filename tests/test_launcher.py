@@ -266,3 +266,33 @@ def test_mpirun_one_launcher_per_node_with_several_processes_each(tmp_path):
         assert "2 node(s) x 2 process(es)" in text, text[-2000:]
     assert "[summary] gpt-tiny eager x4" in logs[0]
     check_metrics(load_metrics(out), steps=1, world_size=4)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt-tiny", "--tp", "2"], "--tp 2 needs --fsdp --compiler-opt"),
+        (["--model", "gpt-tiny", "--fsdp", "--cp", "2"], "--cp 2 needs --fsdp --compiler-opt"),
+        (["--model", "gpt-tiny", "--tp", "0"], "tp: must be >= 1"),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--tp", "4"],
+            "--tp 4 does not divide gpt-tiny's 2 attention heads",
+        ),
+        (
+            ["--model", "llama-tiny", "--fsdp", "--compiler-opt", "--cp", "2", "--seq_len", "7"],
+            "--cp 2: the sequence of 7 tokens is not divisible by cp (Ulysses) = 2",
+        ),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--cp", "4", "--seq_len", "12"],
+            "not divisible by 2 * cp (the causal ring's zig-zag halves) = 8",
+        ),
+        (["--model", "gpt-tiny", "--pp", "2"], "--pp 2: pipeline parallel is not wired"),
+    ],
+)
+def test_parallel_axes_flags_are_checked_before_workers_start(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        launch.parse_args(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: launch_single_task.py") and message in err
+    assert len(err.strip().splitlines()[-1]) < 200  # the one line that says what is wrong

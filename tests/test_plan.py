@@ -2,7 +2,17 @@
 state bytes, and bad input (docs/plan.md).
 
 The real step (tests/plan_real_worker.py) and the plans run in fresh processes (the device count
-must be set before JAX starts); each process handles every case at once to keep the file fast.
+must be set before JAX starts): one process for every real step, one planner worker for every
+plan of the file (the cases, the depth extrapolation, the search's candidates, ResNet), side by
+side on the two cores.
+
+Note [State keeps its parameter's layout]
+A plan lays each gradient and optimizer moment out like its parameter. The real step gives them
+that layout with ``mark_sharding`` when they are made (first step): the lazy engine's own rule
+for a step's new results (the first sharded argument of the same shape and dtype,
+sharding/layout.py) would give o_proj's gradient q_proj's layout (both 64 x 64, split on other
+dims under tp) and leave a replicated norm weight's gradient to XLA, which splits it over tp;
+the real step then moves state between layouts every step.
 """
 
 from __future__ import annotations
@@ -17,16 +27,19 @@ import sys
 import pytest
 
 import torchacc.plan as tp
+from torchacc import launch_registry as registry
 from torchacc.plan import compile as pc
+from torchacc.plan.__main__ import main as plan_main
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 
-# (model, mesh) run for real and planned: the gallery GPT (its CPU config) and LLaMA-tiny
+# (model, mesh) run for real and planned: the gallery GPT (its CPU config) and LLaMA-tiny (2 key/
+# value heads: tp 2, with dp 2 on the other two devices)
 CASES = [
     ("llama-tiny", {"dp": 4}),
     ("llama-tiny", {"fsdp": 4}),
-    ("llama-tiny", {"tp": 4}),
+    ("llama-tiny", {"dp": 2, "tp": 2}),
     ("gpt-tiny", {"fsdp": 4}),
 ]
 BATCH, SEQ = 8, 64
@@ -72,20 +85,40 @@ def real_steps(real_proc, all_plans):
     return steps
 
 
+SEARCH = ("gpt-tiny", 4, 8, 64, "64MiB", "fp32", "adamw", False, False, "h100-sxm", 8, 2)
+
+
 @pytest.fixture(scope="module")
 def all_plans(real_proc, monkeypatch_module):
-    """The CASES' plans, then gpt-mini (4 layers) compiled whole and extrapolated from 1 and 2
-    layers, in one worker process."""
+    """Every plan of the file in one worker process: the CASES, gpt-tiny-4l compiled
+    whole and extrapolated from 1 and 2 layers, the search's candidates, ResNet-tiny."""
     prepared = [
         tp._prepare(m, BATCH, SEQ, mesh, "fp32", "adamw", False, False, "h100-sxm", 4, 8, None,
                     None, False)
         for m, mesh in CASES
     ]  # fmt: skip
-    mini = ("gpt-mini", BATCH, SEQ, "fsdp=4", "bf16", "adamw", False, False, "h100-sxm", 4, 8)
+    search = tp._search_jobs(*SEARCH)
+    prepared += search
+    resnet = ("resnet-tiny", 8, None, "fsdp=4", "bf16", "sgd", False, False, "h100-sxm", 4, 8)
+    prepared.append(tp._prepare(*resnet, None, None, False))
+    # gpt-tiny-4l: tests/plan_test_models.py, a provider of the registry, seen by the worker too
+    monkeypatch_module.setenv(registry.PROVIDER_ENV, "plan_test_models")
+    monkeypatch_module.setenv("PYTHONPATH", HERE + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    monkeypatch_module.setattr(registry, "_plan_registered", {})
+    monkeypatch_module.setattr(registry, "_plan_loaded", False)
+    mini = ("gpt-tiny-4l", BATCH, SEQ, "fsdp=4", "bf16", "adamw", False, False, "h100-sxm", 4, 8)
     prepared.append(tp._prepare(*mini, None, None, True))
     monkeypatch_module.setattr(tp, "FULL_DEPTH_MAX", 1)
     prepared.append(tp._prepare(*mini, None, None, False))
-    return tp._run(prepared, progress=lambda line: None)
+    plans = tp._run(prepared, progress=lambda line: None)
+    n = len(CASES) + len(search)
+    return {
+        "cases": plans[: len(CASES)],
+        "search": plans[len(CASES) : n],
+        "resnet": plans[n],
+        "whole": plans[n + 1],
+        "extrapolated": plans[n + 2],
+    }
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +129,7 @@ def monkeypatch_module():
 
 @pytest.fixture(scope="module")
 def plans(all_plans):
-    return all_plans[: len(CASES)]
+    return all_plans["cases"]
 
 
 def _per_axis(colls):
@@ -106,27 +139,7 @@ def _per_axis(colls):
     return dict(t)
 
 
-IDS = [f"{m}-{list(x)[0]}" for m, x in CASES]
-# Known gaps between the planned program (FX-traced, lowered by the trace-once frontend's rules)
-# and the lazy frontend's real step, measured on this suite's cases (docs/plan.md, "Accuracy"):
-KNOWN_GAPS = {
-    ("llama-tiny-fsdp", "total"): "plan 11.8% above the real step (XLA temp 2.78 vs 2.42 MB)",
-    ("llama-tiny-tp", "state"): "the real step's XLA shards the replicated norm weights' "
-    "gradients and AdamW moments over tp; the plan keeps them in the weight's layout",
-    ("llama-tiny-tp", "total"): "the real step all-gathers tp weights (8.98 MB of all-gather), "
-    "the plan's program keeps Megatron partial sums: temp 4.81 vs 3.29 MB",
-    ("llama-tiny-tp", "collectives"): "all-gather 1.5 MB planned vs 8.98 MB real (see total)",
-}
-
-
-def _gap(i, aspect):
-    reason = KNOWN_GAPS.get((IDS[i], aspect))
-    if reason:
-        pytest.xfail(reason)  # strict in spirit: the assertion below runs when the gap closes
-
-
-def _check_gap_closed(i, aspect):
-    return (IDS[i], aspect) not in KNOWN_GAPS
+IDS = [f"{m}-{'-'.join(f'{a}{n}' for a, n in x.items())}" for m, x in CASES]
 
 
 @pytest.mark.slow
@@ -145,12 +158,7 @@ def test_planned_state_bytes_are_exact(i, real_steps, plans):
     assert p.parameters == analytic == real["parameters"]
     assert p.gradients == analytic and p.optimizer_state == 2 * analytic
     assert p.n_params == sum(q.numel() for q in model.parameters())
-    ok = p.gradients == real["gradients"] and p.optimizer_state == real["optimizer_state"]
-    if _check_gap_closed(i, "state"):
-        assert ok, (p.gradients, real["gradients"], p.optimizer_state, real["optimizer_state"])
-    else:
-        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
-        _gap(i, "state")
+    assert p.gradients == real["gradients"] and p.optimizer_state == real["optimizer_state"]
 
 
 @pytest.mark.slow
@@ -158,12 +166,7 @@ def test_planned_state_bytes_are_exact(i, real_steps, plans):
 def test_planned_bytes_per_device_within_10_percent(i, real_steps, plans):
     real, p = real_steps[i], plans[i]
     total = real["argument"] + real["output"] - real["alias"] + real["temp"]
-    ok = abs(p.total - total) <= 0.10 * total
-    if _check_gap_closed(i, "total"):
-        assert ok, (p.total, total)
-    else:
-        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
-        _gap(i, "total")
+    assert abs(p.total - total) <= 0.10 * total, (p.total, total)
 
 
 @pytest.mark.slow
@@ -173,17 +176,15 @@ def test_planned_collectives_are_the_real_steps(i, real_steps, plans):
     a few bytes of loss and count all-reduces)."""
     real, p = real_steps[i], plans[i]
     got, want = p.collective_bytes, _per_axis(real["collectives"])
-    ok = got.keys() == want.keys() and all(abs(got[a] - want[a]) <= 256 for a in want)
-    if _check_gap_closed(i, "collectives"):
-        assert ok, (got, want)
-    else:
-        assert not ok, "known gap closed: drop it from KNOWN_GAPS"
-        _gap(i, "collectives")
+    assert got.keys() == want.keys() and all(abs(got[a] - want[a]) <= 256 for a in want), (
+        got,
+        want,
+    )
 
 
 @pytest.mark.slow
 def test_depth_extrapolation_matches_the_whole_model(all_plans):
-    whole, extra = all_plans[-2], all_plans[-1]
+    whole, extra = all_plans["whole"], all_plans["extrapolated"]
     assert whole.extrapolated_from is None and extra.extrapolated_from == [1, 2]
     for field in ("parameters", "gradients", "optimizer_state", "n_params"):
         assert getattr(extra, field) == getattr(whole, field), field
@@ -201,18 +202,13 @@ def test_padding_is_counted():
     assert pc.shard_bytes((176, 64), spec, mesh, 4) == math.ceil(176 / 3) * 64 * 4
 
 
-def test_help_says_batch_size_is_global():
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchacc.plan", "--help"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )
-    assert proc.returncode == 0
-    text = " ".join(proc.stdout.split())
+def test_help_says_batch_size_is_global(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan_main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
     assert "GLOBAL batch of one optimizer step" in text
+    assert "llama-7b" in text and "resnet50" in text  # the registry's models
 
 
 @pytest.mark.parametrize(
@@ -221,6 +217,9 @@ def test_help_says_batch_size_is_global():
         (dict(mesh="fsdp=2,tp=2", devices=8), "has 4 devices"),
         (dict(mesh="tp=3"), "tp=3 does not divide llama-tiny's 4 heads"),
         (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
+        (dict(mesh="tp=4"), "tp=4 does not divide llama-tiny's 2 key/value heads"),
+        (dict(mesh="dp=2,pp=2"), "pp=2: the planner does not plan pipeline parallelism yet"),
+        (dict(model="resnet-tiny", mesh="tp=4"), "resnet-tiny: only dp and fsdp layouts"),
         (dict(model="llama-99b"), "unknown model 'llama-99b'"),
         (dict(device="h900"), "unknown accelerator 'h900'"),
         (dict(memory="eighty gigs"), "memory 'eighty gigs' is not a size"),
@@ -245,19 +244,12 @@ def test_not_enough_host_memory_says_so(monkeypatch):
     assert "needs about" in msg and "GiB of host memory" in msg and "0.2 GiB available" in msg
 
 
-def test_cli_error_is_one_line():
-    proc = subprocess.run(
-        [sys.executable, "-m", "torchacc.plan", "--model", "llama-tiny", "--batch_size", "8",
-         "--mesh", "fsdp=3", "--devices", "4"],
-        env=_env(),
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=REPO,
-    )  # fmt: skip
-    assert proc.returncode == 2
-    assert proc.stderr.strip().startswith("torchacc.plan: error: mesh dp=1,fsdp=3")
-    assert "Traceback" not in proc.stderr
+def test_cli_error_is_one_line(capsys):
+    argv = ["--model", "llama-tiny", "--batch_size", "8", "--mesh", "fsdp=3", "--devices", "4"]
+    assert plan_main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.strip().startswith("torchacc.plan: error: mesh dp=1,fsdp=3")
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
 def test_search_candidates_respect_the_model():
@@ -271,10 +263,26 @@ def test_search_candidates_respect_the_model():
 
 
 @pytest.mark.slow
-def test_search_ranks_the_layouts_that_fit():
-    plans = tp.search(
-        "gpt-tiny", 4, 8, 64, memory="64MiB", precision="fp32", top=2, progress=lambda line: None
-    )
+def test_search_ranks_the_layouts_that_fit(all_plans):
+    plans = tp._rank(all_plans["search"])
     assert len(plans) == 2 and all(p.fits for p in plans)
     assert plans[0].step_time <= plans[1].step_time
     assert all(math.prod(p.mesh.values()) == 4 for p in plans)
+    assert len({tuple(p.mesh.items()) for p in plans}) == 2
+
+
+@pytest.mark.slow
+def test_resnet_plans(all_plans):
+    """ResNet-tiny (ResNet-50's blocks, BatchNorm's running statistics updated by the step):
+    it plans (no op left without a rule), state bytes exact, traffic on the fsdp axis only."""
+    p = all_plans["resnet"]
+    model = tp.resolve("resnet-tiny").build(None, False)
+    mesh = {a: 4 if a == "fsdp" else 1 for a in pc.AXES}
+    analytic = sum(
+        pc.shard_bytes(tuple(q.shape), pc.param_spec(n, tuple(q.shape), mesh), mesh, 4)
+        for n, q in model.named_parameters()
+    )
+    assert p.parameters == p.gradients == p.optimizer_state == analytic  # SGD: one buffer
+    assert p.n_params == sum(q.numel() for q in model.parameters())
+    assert set(p.collective_bytes) == {"fsdp"} and p.collective_bytes["fsdp"] > 0
+    assert p.flops > 0 and p.total > 3 * analytic

@@ -92,6 +92,18 @@ def test_launcher_fsdp_compiler_path_matches_eager(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert resumed["steps"] == [2, 3]
+    # the checkpoint holds the loader's position (issue 42): the resume continues at the next
+    # sample of the saved run's global order, and a run on other data is refused by name
+    assert "resumed from step 2: epoch 0, batch 2 (16 samples of the epoch consumed" in (
+        proc.stdout + proc.stderr
+    )
+    proc, _ = launch_gpt_tiny(
+        tmp_path, "other_data", "--compiler-opt", "--fsdp", f"--resume={ckpt}", "--seed=7"
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"error: --resume {ckpt / '2'}: EpochBatches state is for another dataset: its seed" in (
+        proc.stderr
+    ), proc.stderr[-3000:]
     for a, b in zip(resumed["losses"], sharded["losses"][2:]):
         assert abs(a - b) <= 1e-5, (resumed["losses"], sharded["losses"])
     for flags, message in (

@@ -3,7 +3,7 @@
     nice -n 10 python tools/torch_xla_tests.py /path/to/pytorch-xla-checkout
     python tools/torch_xla_tests.py CHECKOUT --only test_metrics.py test_ops.py   # a few files
     python tools/torch_xla_tests.py CHECKOUT --json /tmp/xla_tests.json            # keep results
-    python tools/torch_xla_tests.py CHECKOUT --spmd    # test/spmd/ on 4 CPU devices (SPMD mode)
+    python tools/torch_xla_tests.py CHECKOUT --spmd    # test/spmd/ in SPMD mode (SPMD_DEVICES)
 
 The checkout is a pytorch/xla source tree fetched by the developer (not part of torchacc, not in
 CI; its ``test/`` and ``examples/``: test_assume_pure*.py import a model from ``examples/``); the
@@ -67,6 +67,16 @@ ERROR_TEXTS = {
     "test_ops_error_message.py": "asserts torch_xla's C++ error message texts",
     "test_ops_error_message_functionalization_disabled.py": "asserts torch_xla's error texts",
     "test_xla_graph_execution.py": "asserts torch_xla's message for a disallowed execution",
+}
+
+# test/spmd/ runs on 4 CPU devices, standing in for the several devices of torch_xla's TPU runs
+# (test/tpu/run_tests.sh), except the files whose cases are written for torch_xla's CPU CI: they
+# branch on ``PJRT_DEVICE == 'CPU'`` and assert the one device that test/run_tests.sh gives them
+# (its ``run_test`` sets ``CPU_NUM_DEVICES=1``; ``run_test_multi_devices`` sets 4). Those run with
+# run_tests.sh's count (on a TPU, torch_xla skips those cases or takes their TPU branch).
+SPMD_DEVICES = {
+    "test_spmd_debugging.py": 1,  # run_test; its *_cpu cases: "PJRT_DEVICE=CPU ... one CPU"
+    "test_xla_spmd_python_api_interaction.py": 1,  # run_test; counts == 1 under PJRT_DEVICE=CPU
 }
 
 _RAN = re.compile(r"^Ran (\d+) tests? in", re.M)
@@ -185,7 +195,9 @@ def main(argv=None):
     ap.add_argument("--json", help="write the results (with each file's output tail) here")
     ap.add_argument("--python", default=sys.executable)
     ap.add_argument(
-        "--spmd", action="store_true", help="run test/spmd/ instead, on 4 CPU devices (issue 40)"
+        "--spmd",
+        action="store_true",
+        help="run test/spmd/ instead, on 4 CPU devices (SPMD_DEVICES: run_tests.sh's count)",
     )
     args = ap.parse_args(argv)
     test_dir = os.path.join(os.path.abspath(args.checkout), "test")
@@ -208,7 +220,8 @@ def main(argv=None):
                      error=SKIP[name], output="", apart=False)
             )  # fmt: skip
             continue
-        row = run_file(test_dir, name, args.timeout, args.python, devices)
+        n = SPMD_DEVICES.get(name, devices) if args.spmd else devices
+        row = run_file(test_dir, name, args.timeout, args.python, n)
         row["apart"] = name in ERROR_TEXTS
         if row["result"] != "pass" and "No module named 'torchvision'" in row["output"]:
             row.update(result="skip", error=NEEDS_TORCHVISION)

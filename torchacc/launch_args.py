@@ -231,8 +231,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         default=None,
         metavar="DATA,FSDP",
-        help="with --fsdp --compiler-opt: a 2-D data x fsdp mesh (e.g. 2,2); default 1,<devices>",
+        help="with --fsdp --compiler-opt: a data x fsdp mesh (e.g. 2,2; times --tp x --cp "
+        "devices); default 1,<devices / (tp * cp)>",
     )
+    for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
+        ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),
+        ("cp", "with --fsdp --compiler-opt: context parallel (the sequence split) over N devices"),
+        ("pp", "pipeline parallel stages (not wired into the launcher yet: N > 1 is refused)"),
+    ):
+        g.add_argument(f"--{name}", type=_int_at_least(1, name), default=1, metavar="N", help=text)
     g.add_argument(
         "--parallel_mode",
         choices=("data_parallel", "semi_auto", "auto"),
@@ -448,6 +455,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         )
     _check_compile_mode(parser, args)
     _check_fsdp(parser, args)
+    err = registry.axes_flag_error(args)  # --tp / --cp / --pp
+    if err:
+        parser.error(err)
     if args.profile is not None and args.profile_dir is None:
         args.profile_dir = args.tensorboard  # None too: observe_errors says what is missing
     _check_parallel(parser, args)

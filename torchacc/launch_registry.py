@@ -25,7 +25,17 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
-__all__ = ["Model", "register", "models", "lookup", "flag_error", "MODELS", "PROVIDER_ENV"]
+__all__ = [
+    "Model",
+    "register",
+    "models",
+    "lookup",
+    "flag_error",
+    "MODELS",
+    "PROVIDER_ENV",
+    "register_plan",
+    "plan_models",
+]
 
 PROVIDER_ENV = "TORCHACC_MODEL_PROVIDERS"
 _DEFAULT_PROVIDERS = ("gallery.registry",)  # the checkout's gallery, when importable
@@ -42,7 +52,10 @@ class Model:
     ``block_size``: a callable giving the longest ``--seq_len`` (None: unknown, the worker checks).
     ``resolve_checkpoint``: ``(path, warn) -> (file, state)``, raising ``ValueError`` with one
     line for a ``--resume`` that is no checkpoint of this trainer (None: the worker checks).
-    ``shards``: whether ``--fsdp`` applies.
+    ``shards``: whether ``--fsdp`` applies. ``axes_error``: ``(tp, cp, seq_len) -> str | None``,
+    why this model cannot split ``tp`` ways by Megatron pairs or its ``seq_len`` tokens
+    (None: the model's block size) ``cp`` ways (one line), or None (no callable: the worker
+    checks).
     """
 
     name: str
@@ -51,6 +64,7 @@ class Model:
     block_size: Callable[[], int | None] | None = None
     resolve_checkpoint: Callable | None = None
     shards: bool = True
+    axes_error: Callable[[int, int, int | None], str | None] | None = None
 
 
 _registered: dict[str, Model] = {}
@@ -102,6 +116,47 @@ def models() -> dict[str, Model]:
     return dict(_registered)
 
 
+# The planner's models (``torchacc.plan``): a provider may also define ``torchacc_plan_models()``,
+# a list of dicts with ``name``, ``build`` (``(n_layer or None, scan_layers) -> nn.Module``) and
+# the shape the planner reads (``kind``, ``n_layer``, ``n_head``, ``n_kv_head``, ``d_model``,
+# ``vocab``, ``max_seq``, ``image``, ``classes``, ``layer_prefix``: torchacc/plan/models.py's
+# ModelSpec). It is called only when a plan needs a model (it may import torch).
+_plan_registered: dict[str, dict] = {}
+_plan_loaded = False
+
+
+def register_plan(name: str, build: Callable, **fields) -> dict:
+    """Add (or replace) the planner's model ``name``: ``build(n_layer, scan_layers)`` returns
+    the ``nn.Module``; ``fields`` are the rest of a provider's entry (comment above)."""
+    if not callable(build):
+        raise ValueError(f"register_plan({name!r}): build must be callable")
+    entry = dict(fields, name=name, build=build)
+    _plan_registered[name] = entry
+    return entry
+
+
+def plan_models() -> dict[str, dict]:
+    """Every model the planner can size, by name: :func:`register_plan` entries and the
+    providers' ``torchacc_plan_models()`` (the providers are imported on the first call)."""
+    global _plan_loaded
+    if not _plan_loaded:
+        _plan_loaded = True
+        explicit = {n.strip() for n in os.environ.get(PROVIDER_ENV, "").split(",") if n.strip()}
+        for name in _provider_names():
+            try:
+                module = importlib.import_module(name.partition(":")[0])
+                entries = getattr(module, "torchacc_plan_models", lambda: [])()
+            except ImportError:
+                if name in explicit:
+                    raise
+                continue
+            for entry in entries:
+                entry = dict(entry)
+                if entry["name"] not in _plan_registered:  # register_plan() beats a provider
+                    register_plan(entry.pop("name"), entry.pop("build"), **entry)
+    return dict(_plan_registered)
+
+
 def is_entry(name: str) -> bool:
     """``MODULE:FUNCTION``: a training entry of one's own, not a registered name."""
     module, sep, func = name.partition(":")
@@ -123,6 +178,40 @@ def _block_size(model: Model) -> int | None:
         return None
     try:
         return model.block_size()
+    except ImportError:  # the model's package is not importable from here: the worker checks it
+        return None
+
+
+def axes_flag_error(args) -> str | None:
+    """The launcher's ``--tp`` / ``--cp`` / ``--pp`` (one line), or None: tp and cp are axes of
+    the SPMD mesh of ``--fsdp --compiler-opt`` (data x fsdp x tp x cp) with sizes the model
+    can split; ``--pp`` is refused until the pipeline is wired into the gallery trainer."""
+    if args.pp > 1:
+        return (
+            f"--pp {args.pp}: pipeline parallel is not wired into the launcher's models yet "
+            "(ta.dist.PipelineParallel in a script of one's own runs it)"
+        )
+    axes = [f"--{n} {getattr(args, n)}" for n in ("tp", "cp") if getattr(args, n) > 1]
+    if not axes:
+        return None
+    if not (args.fsdp and args.compiler_opt):
+        return f"{' '.join(axes)} needs --fsdp --compiler-opt (axes of the sharded step's mesh)"
+    if args.script is None:
+        return axes_error(args.model, args.tp, args.cp, args.seq_len)
+    return None
+
+
+def axes_error(name: str, tp: int, cp: int, seq_len: int | None) -> str | None:
+    """Why ``--model name`` cannot run with ``--tp``/``--cp`` (one line), or None (unknown to
+    the registry: the worker checks)."""
+    try:
+        model = lookup(name)
+    except KeyError:
+        return None
+    if model.axes_error is None:
+        return None
+    try:
+        return model.axes_error(tp, cp, seq_len)
     except ImportError:  # the model's package is not importable from here: the worker checks it
         return None
 

@@ -138,7 +138,10 @@ class Saver:
     def __call__(self, step: int) -> bool:
         door, args, logger = self.door, self.args, self.door.logger
         if getattr(door, "manager", None) is not None:  # sharded state: DCP, every process
-            return door.save(step, self.model, self.optimizer, self.errors)
+            data = (
+                self.loader.state_dict(*divmod(step, self.steps_per_epoch)) if self.loader else None
+            )
+            return door.save(step, self.model, self.optimizer, self.errors, data=data)
         if door.rank != 0:
             return True
         if door.compiler:

@@ -234,6 +234,8 @@ def train(task: Task, args: argparse.Namespace) -> dict:
         start_step = restore(ckpt, optimizer, scaler)
         data_state, ckpt_path = ckpt.get("data"), ckpt.get("path")
         del ckpt
+    elif getattr(door, "resumed_data", None) is not None:  # a sharded checkpoint's position
+        data_state, ckpt_path = door.resumed_data
 
     # ---- data
     loader = door.loader(dataset, _default_workers(args))

@@ -3,9 +3,10 @@
     python -m gallery.resnet50.make_notebook          # rewrites gallery/resnet50/resnet50.ipynb
 
 The notebook's cells carry tags: ``setup``, ``prepare``, ``baseline``, ``torchacc``, ``compare``,
-``curves`` (the runs' TensorBoard scalars, read back from their event files) and ``accelerate``
+``curves`` (the runs' TensorBoard scalars, read back from their event files), ``accelerate``
 (TorchAcc's ``ta.accelerate`` front door: the LLaMA gallery model on variable-length batches with
-bucketing, eager and lazy side by side).
+bucketing, eager and lazy side by side) and ``axes`` (dp, fsdp, tp and cp side by side on 4 CPU
+devices, gallery/accelerate/axes.py).
 """
 
 from __future__ import annotations
@@ -230,6 +231,34 @@ else:
 run([sys.executable, "-m", "gallery.accelerate.main", *flags])"""
 
 
+AXES_MD = """\
+## 7. The parallel axes side by side (4 CPU devices)
+
+`ta.accelerate`'s `Config.dist` puts every axis on one mesh: data parallel and FSDP
+(`dist.dp`, `dist.fsdp`), Megatron tensor parallel (`dist.tp`: attention heads and MLP split
+column->row) and context parallel (`dist.sp`: the sequence split, attention as Ulysses or ring
+attention). `gallery/accelerate/axes.py` runs a GPT-2-shaped tiny model under each on 4 virtual
+CPU devices (`CPU_NUM_DEVICES=4`, its own process) and prints each mesh's parameter bytes per
+device, the loss against eager PyTorch's, and the collectives XLA put in the compiled program.
+Pipeline parallel (`dist.pp`) is not in the table yet.
+
+```bash
+PJRT_DEVICE=CPU CPU_NUM_DEVICES=4 python -m gallery.accelerate.axes   # a training step each
+```"""
+
+AXES = """\
+import os
+
+env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu")
+axes = [sys.executable, "-m", "gallery.accelerate.axes"]
+if TINY:  # the forward of four meshes: seconds
+    axes += ["--forward-only", "--seq=8", "--only=dp 2 x fsdp 2,fsdp 4,tp 4,cp 4 (sp)"]
+done = subprocess.run(axes, cwd=ROOT, env=env, capture_output=True, text=True)
+print(done.stdout)
+if done.returncode:
+    raise RuntimeError(done.stderr[-3000:])"""
+
+
 def build() -> nbformat.NotebookNode:
     nb = new_notebook()
     nb.metadata["kernelspec"] = {
@@ -260,6 +289,8 @@ def build() -> nbformat.NotebookNode:
         code(CURVES, "curves"),
         md(ACCELERATE_MD, "accelerate"),
         code(ACCELERATE, "accelerate"),
+        md(AXES_MD, "axes"),
+        code(AXES, "axes"),
     ]
     for i, cell in enumerate(nb.cells):  # stable ids keep the file diff-friendly
         cell["id"] = f"cell-{i:02d}-{cell.metadata['tags'][0]}"

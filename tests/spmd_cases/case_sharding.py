@@ -162,6 +162,10 @@ def test_local_shards_hold_the_slices_of_the_global_tensor():
         assert s.data.shape == (8, 2)
     assert sorted(s.replica_id for s in shards) == [0, 0, 1, 1]
     assert torch.equal((st * 2).cpu(), host * 2)  # usable as its global tensor
+    host_copy = st.cpu()  # torch_xla wraps every tensor an op on a sharded tensor returns
+    assert isinstance(host_copy, xs.XLAShardedTensor) and host_copy.device.type == "cpu"
+    assert host_copy.global_tensor.device.type == "cpu"
+    assert torch.equal(host_copy.global_tensor, host)
 
 
 def test_activation_constraint_and_hybrid_mesh():

@@ -264,3 +264,42 @@ def test_training_step_moves_no_activation_but_the_row_layers_sums(kind):
     big = [c for c in found if c != ("all-reduce", f"f32[{B},{T},64]{{2,1,0}}")]
     assert all(op == "all-reduce" and re.fullmatch(r"f32\[1(,1)*\]\S*", s) for op, s in big), found
     assert 2 * 2 <= len(found) - len(big) <= 4 * 2, found
+
+
+def test_torchs_own_parallelize_module_on_an_xla_device_mesh():
+    """torch's ``torch.distributed.tensor.parallel.parallelize_module`` with torchtitan's
+    sequence-parallel LLaMA plan on ``init_device_mesh("xla", (4,))`` (torch_xla's way, through
+    the alias): its ``distribute_module`` / ``distribute_tensor`` calls reach torchacc's
+    ``xla_distribute_*``, the styles' input/output hooks become layouts, the parameters stay
+    plain torchacc parameters; training equals eager within 1e-5."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    import torchacc.alias  # noqa: F401  (``import torch_xla`` is torchacc's, as for torch_xla)
+
+    torch.manual_seed(0)
+    ref, model = _llama4(), _llama4()
+    model.load_state_dict(ref.state_dict())
+    from torchacc.torch_xla.distributed.spmd import XLAShardedTensor
+
+    engine.use_spmd()
+    model = model.to(ta.device())
+    mesh = init_device_mesh("xla", (4,), mesh_dim_names=("tp",))
+    model = parallelize_module(model, mesh, _torch_plan("layers", sequence_parallel=True))
+    q = model.layers[1].attn.q_proj.weight
+    assert not any(isinstance(p, XLAShardedTensor) for p in model.parameters())
+    assert type(q) is type(model.embed.weight) and q.device.type == ta.device().type
+    assert _spec(q) == ("tp", None)
+    assert _spec(model.layers[1].mlp.down_proj.weight) == (None, "tp")
+    batches = _batches()
+    losses = _train(model, batches, ta.device())
+    ref_losses = _train(ref, batches)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= 1e-5, (losses, ref_losses)
+    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+        assert (p.detach().cpu() - r.detach()).abs().max().item() <= 1e-5, name
+    cache.clear_memory_cache()
+    with torch.no_grad():
+        out = model(batches[0][:, :-1].to(ta.device()))
+    ta.sync()
+    del out
+    assert [op for op, _ in _collectives()] == ["all-gather", "all-reduce"] * 4

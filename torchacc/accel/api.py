@@ -30,9 +30,10 @@ Order of work (everything is checked before anything happens):
    root; ``sync_module_states`` first broadcasts rank 0's parameters, as FSDP2 does not); both
    > 1 is HSDP, FSDP2 over a 2-D (dp, fsdp) device mesh laid out in ``dist.topology``'s order
    (replicated over dp, sharded over fsdp: FSDP within a node, data parallel across nodes). On
-   ``'lazy'`` with ``fsdp.size``/``tp.size`` > 1 the sizes are a (dp, fsdp, tp) mesh of every
-   device of the job in SPMD mode (switched on first; the sizes multiply to the device count):
-   FSDPv2 and Megatron's column->row Linear pairs through XLA's partitioner
+   ``'lazy'`` with ``fsdp.size``/``tp.size``/``sp.size`` > 1 the sizes are a (dp, fsdp, sp, tp)
+   mesh of every device of the job in SPMD mode (switched on first; the sizes multiply to the
+   device count): FSDPv2, Megatron's column->row Linear pairs and context parallel (the
+   sequence split, attention as the ring / Ulysses region) through XLA's partitioner
    (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
    ValueError before anything changes);
    With ``dist.pp.size > 1`` (backend ``'lazy'``) the model is cut into stages on the ``pp``
@@ -78,15 +79,16 @@ def _refuse_unsupported(config, sizes):
             f"Config.dist.pp.size = {pp}: pipeline parallelism runs on backend 'lazy' with dp "
             f"and fsdp (got backend {config.backend!r}, tp.size {tp}, sp.size {sp})"
         )
-    if sp > 1:
-        raise NotImplementedError(
-            f"Config.dist.sp.size = {sp}: sequence parallelism is not supported by torchacc"
-        )
     if config.is_lazy_backend():
-        return  # fsdp / tp: a (dp, fsdp, tp) mesh of the SPMD engine (_lazy_sharded)
+        return  # fsdp / tp / sp: a (dp, fsdp, sp, tp) mesh of the SPMD engine (_lazy_sharded)
     if tp > 1:
         raise NotImplementedError(
             f"Config.dist.tp.size = {tp} on backend 'eager': tensor parallelism is not supported"
+        )
+    if sp > 1:
+        raise NotImplementedError(
+            f"Config.dist.sp.size = {sp}: sequence (context) parallelism is not supported on "
+            "backend 'eager' (backend 'lazy' runs it)"
         )
 
 
@@ -151,25 +153,43 @@ def _spmd_device_count():
     return len(sharding.devices())
 
 
-def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None):
-    """fsdp / tp on the lazy backend: the SPMD engine over a (dp, fsdp, tp) mesh of every
-    device of the job (Note [SPMD mode]). ``tp`` splits the Megatron column->row pairs of
+def mesh_axes(topology, sizes):
+    """The (dp, fsdp, sp, tp) mesh's axis names, outermost first, in ``dist.topology``'s order;
+    names it leaves out follow in the order dp, fsdp, sp, tp, except that a missing ``sp`` goes
+    just before ``tp`` (tensor parallel innermost, context parallel next to it)."""
+    axes = ("dp", "fsdp", "sp", "tp")
+    names = [n for n in topology if n in axes]
+    for n in axes:
+        if n in names:
+            continue
+        if n == "sp" and "tp" in names:
+            names.insert(names.index("tp"), n)
+        else:
+            names.append(n)
+    return names
+
+
+def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None, sp_algorithm="auto"):
+    """fsdp / tp / sp on the lazy backend: the SPMD engine over a (dp, fsdp, sp, tp) mesh of
+    every device of the job (Note [SPMD mode]). ``tp`` splits the Megatron column->row pairs of
     ``tp_plan`` (Note [Megatron pairs] in torchacc/sharding/recipes.py), ``fsdp`` dim 0 of every
-    other parameter (ZeRO-3); a forward pre-hook splits the
-    batch of the model's tensor inputs over dp x fsdp; XLA inserts every collective."""
+    other parameter (ZeRO-3), ``sp`` the sequence, with the model's attention as the context
+    parallel region (Note [Context parallel for a model] in torchacc/context_parallel/model.py);
+    a forward pre-hook splits the batch of the model's tensor inputs over dp x fsdp (and their
+    dim 1 over sp); XLA inserts every other collective."""
+    from torchacc.context_parallel import model as cp_model
     from torchacc.distributed import fsdp as zero
     from torchacc.lazy.device import device
     from torchacc.sharding import api as sharding
     from torchacc.sharding import recipes
 
     sharding.use_spmd()
-    dp, fsdp, tp = sizes[:3]
+    dp, fsdp, tp, _, sp = sizes
     # the mesh's axes in dist.topology's order, the first outermost (dp x fsdp by default: each
     # fsdp group is consecutive devices, one node; dp runs across nodes)
-    names = [n for n in topology if n in ("dp", "fsdp", "tp")]
-    names += [n for n in ("dp", "fsdp", "tp") if n not in names]
-    size = {"dp": dp, "fsdp": fsdp, "tp": tp}
-    mesh = sharding.jax_mesh(range(dp * fsdp * tp), [size[n] for n in names], names)
+    names = mesh_axes(topology, sizes)
+    size = {"dp": dp, "fsdp": fsdp, "tp": tp, "sp": sp}
+    mesh = sharding.jax_mesh(range(dp * fsdp * tp * sp), [size[n] for n in names], names)
     batch_axes = tuple(n for n in names if n in ("dp", "fsdp"))
     dev = device()
     model.to(dev)
@@ -177,28 +197,36 @@ def _lazy_sharded(model, sizes, topology=("dp", "fsdp", "tp"), tp_plan=None):
         recipes.tensor_parallel(model, mesh, "tp", "fsdp" if fsdp > 1 else None, plan=tp_plan)
     if fsdp > 1:
         zero.shard_parameters(model, mesh, "fsdp")
+    if sp > 1:  # after the other wrappers of forward: attention is the region inside all
+        cp_model.parallelize(
+            model, mesh, "sp", batch_axes, "tp" if tp > 1 else None, sp_algorithm, "dist.sp"
+        )
+
+    def spec_of(shape):
+        return cp_model.batch_spec(shape, batch_axes, "sp", sp)
 
     def split_batch(module, args, kwargs):
         for t in [*args, *kwargs.values()]:
             if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE and t.dim() > 0:
-                zero.shard_batch(t, mesh, batch_axes)
+                shape = tuple(t.shape)
+                sharding.mark(t, sharding.named_sharding(mesh, spec_of(shape), shape, "dist batch"))
         return None
 
     model.register_forward_pre_hook(split_batch, with_kwargs=True)
 
     def input_sharding(host):  # the loader's layout: each process's batch is its share
-        spec = zero.batch_spec(host.dim(), batch_axes)
-        return sharding.named_sharding(mesh, spec, tuple(host.shape), "dist batch")
+        shape = tuple(host.shape)
+        return sharding.named_sharding(mesh, spec_of(shape), shape, "dist batch")
 
     return model, dev, input_sharding
 
 
-def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp"), tp_plan=None):
+def _lazy(model, sizes, spmd=False, topology=("dp", "fsdp", "tp"), tp_plan=None, sp_algo="auto"):
     from torchacc.lazy.device import device
     from torchacc.sharding import collectives
 
     if spmd:
-        return _lazy_sharded(model, sizes, topology, tp_plan)
+        return _lazy_sharded(model, sizes, topology, tp_plan, sp_algo)
     dev = device()
     model.to(dev)
     dp = sizes[0]
@@ -313,9 +341,8 @@ def accelerate(model, dataloader=None, config=None):
         raise TypeError(f"torchacc.accelerate: model must be a torch.nn.Module, got {type(model)}")
     lazy = config.is_lazy_backend()
     config.validate()
-    spmd = lazy and (
-        config.dist.fsdp.size > 1 or config.dist.tp.size > 1 or config.dist.pp.size > 1
-    )
+    d = config.dist
+    spmd = lazy and (d.fsdp.size > 1 or d.tp.size > 1 or d.sp.size > 1 or d.pp.size > 1)
     sizes = config.validate_for(model, _spmd_device_count() if spmd else _world_size())
     _refuse_unsupported(config, sizes)
     tp_plan = None
@@ -334,7 +361,9 @@ def accelerate(model, dataloader=None, config=None):
         autocast_device = DEVICE_TYPE if lazy else ("cuda" if torch.cuda.is_available() else "cpu")
         _wrap_forward(model, autocast_device, dtype, compute.acc_scaled_dot_attn)
     if lazy:
-        model, device, input_sharding = _lazy(model, sizes, spmd, config.dist.topology, tp_plan)
+        model, device, input_sharding = _lazy(
+            model, sizes, spmd, config.dist.topology, tp_plan, config.dist.sp.algorithm
+        )
     else:
         (model, device), input_sharding = _eager(model, config, sizes), None
     if not hasattr(model, "device"):  # a Hugging Face model has its own property

@@ -21,7 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BACKENDS = ("lazy", "eager")
-TOPOLOGY = ("dp", "fsdp", "pp", "tp")
+TOPOLOGY = ("dp", "fsdp", "pp", "tp")  # TorchAcc's default order
+TOPOLOGY_NAMES = ("dp", "fsdp", "pp", "sp", "tp")  # "sp" may be placed too (default: before tp)
 DEFAULT_PAD_VALUES = {"input_ids": 0, "attention_mask": 0, "labels": -100}
 
 
@@ -188,7 +189,12 @@ class PPConfig:
 
 @dataclass(slots=True)
 class SPConfig:
+    """Sequence (context) parallel: the sequence split over ``size`` devices, attention as
+    Ulysses or ring attention (``algorithm``: "auto", "ulysses", "ring"; Note [Context parallel
+    for a model] in torchacc/context_parallel/model.py). Backend 'lazy' only."""
+
     size: int = 1
+    algorithm: str = "auto"
 
 
 @dataclass(slots=True)
@@ -214,6 +220,11 @@ class DistConfig:
         _size("dist.dp.size", self.dp.size, allow_none=True)
         for name in ("fsdp", "tp", "pp", "sp"):
             _size(f"dist.{name}.size", getattr(self, name).size)
+        if self.sp.algorithm not in ("auto", "ulysses", "ring"):
+            raise ValueError(
+                f"Config.dist.sp.algorithm must be 'auto', 'ulysses' or 'ring', got "
+                f"{self.sp.algorithm!r}"
+            )
         self.pp.validate()
         _names("dist.fsdp.wrap_layer_cls", self.fsdp.wrap_layer_cls)
         _bool("dist.fsdp.flatten_parameters", self.fsdp.flatten_parameters)
@@ -222,10 +233,10 @@ class DistConfig:
         if (
             not isinstance(topology, (list, tuple))
             or len(set(topology)) != len(topology)
-            or any(t not in TOPOLOGY for t in topology)
+            or any(t not in TOPOLOGY_NAMES for t in topology)
         ):
             raise ValueError(
-                f"Config.dist.topology must list distinct names among {list(TOPOLOGY)}, got "
+                f"Config.dist.topology must list distinct names among {list(TOPOLOGY_NAMES)}, got "
                 f"{topology!r}"
             )
 

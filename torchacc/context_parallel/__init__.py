@@ -21,7 +21,9 @@ Note [Context parallel]
     (``ppermute``) cp - 1 times, merging each block's scores by online softmax (running max,
     running sum). Causal ring uses the zig-zag split: the sequence cut into 2 * cp chunks,
     device i holds chunks i and 2 * cp - 1 - i, so every device has the same amount of unmasked
-    work; the reorder into and out of that layout is an XLA gather around the region. Masks are
+    work; the reorder into and out of that layout is two ``ppermute`` s inside the region
+    (chunk c of device c // 2 goes to device c or 2 * cp - 1 - c), so no device ever holds
+    more than its share of q, k, v (an XLA gather around the region would gather them). Masks are
     computed from the tokens' global positions, which travel with the K/V block. Needs seq
     divisible by cp (2 * cp when causal).
     Varlen: ``q_lens`` / ``k_lens`` ([batch] integers) say how many tokens of each row are
@@ -30,6 +32,20 @@ Note [Context parallel]
     2-D: Ulysses inside each ``intra`` group, then the ring across them (``inter``), in one
     region; the positions are all-gathered over ``intra`` in the all-to-all's order, so the
     ring's masks stay right.
+
+Note [Context parallel masks]
+    Besides causal and varlen, the region takes two masks (what a model's attention call
+    carries; torchacc/context_parallel/model.py passes them on):
+    - segment ids of packed rows ([batch, seq] integers, a token attends only to its own
+      segment): split on the sequence like q, gathered with the positions under Ulysses, and
+      k's travel around the ring with its block. O(seq / cp) per device.
+    - a general mask (bool, True = attend, or additive) [batch or 1, 1, q seq, k seq]: its rows
+      are split with q's tokens (gathered over the all-to-all axes under Ulysses) and each ring
+      step picks the columns of its block's keys by their global positions. O(seq^2 / cp) per
+      device for the ring, O(seq^2 / intra) under Ulysses: segment ids are the way for long
+      packed rows.
+    A query whose keys are all masked gives 0 (SDPA gives NaN for a bool mask, the mean of v
+    for an additive one of equal values).
 """
 
 from __future__ import annotations
@@ -75,11 +91,15 @@ __all__ = [
 class ContextParallelGroup:
     """Mesh axes of the ``dp x inter x intra`` mesh of :func:`initialize_context_parallel`: the
     whole context-parallel group (``inter`` and ``intra``), or one of them. What
-    ``get_context_parallel_group()`` & co. return and ``process_group=`` takes."""
+    ``get_context_parallel_group()`` & co. return and ``process_group=`` takes. On a model's
+    mesh (``ta.accelerate``'s ``dist.sp``, torchacc/context_parallel/model.py) the batch lies
+    on ``batch_axes`` and the heads on ``head_axis`` (tensor parallel) around the region."""
 
-    def __init__(self, mesh, axes):
+    def __init__(self, mesh, axes, batch_axes=("dp",), head_axis=None):
         self.mesh, self.axes = mesh, tuple(axes)
         self.size = int(np.prod([mesh.shape[a] for a in self.axes]))
+        self.batch_axes = tuple(a for a in batch_axes if a in mesh.shape)
+        self.head_axis = head_axis
 
     @property
     def spec(self):
@@ -219,18 +239,31 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, chunks=1):
     return [full[i] if t is None else t for i, t in enumerate(lens)]
 
 
-def _attention(call, q, k, v, lens, a2a_group, ring_group, softmax_scale, causal):
-    """Checks, then the region: Ulysses over ``a2a_group``, the ring over ``ring_group``."""
+def _attention(
+    call, q, k, v, lens, a2a_group, ring_group, softmax_scale, causal, segments=(), mask=None
+):
+    """Checks, then the region: Ulysses over ``a2a_group``, the ring over ``ring_group``.
+    ``segments``: (q's, k's) segment ids [batch, seq] of packed rows; ``mask``: a bool or additive
+    mask [batch or 1, 1, q seq, k seq] (Note [Context parallel masks])."""
     a2a = a2a_group.axes if a2a_group is not None and a2a_group.size > 1 else ()
     ring = ring_group.axes if ring_group is not None and ring_group.size > 1 else ()
-    mesh = (a2a_group or ring_group).mesh
+    group = a2a_group or ring_group
+    mesh = group.mesh
     n_a2a = a2a_group.size if a2a else 1
     n_ring = ring_group.size if ring else 1
     cp = n_a2a * n_ring
-    if a2a and (q.shape[2] % n_a2a or k.shape[2] % n_a2a):
+    hax = group.head_axis
+    tp = int(mesh.shape[hax]) if hax is not None else 1
+    if tp > 1 and (q.shape[2] % tp or k.shape[2] % tp):
         raise ValueError(
             f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads must be divisible by "
-            f"{'the intra group size' if ring else 'cp'}={n_a2a}"
+            f"the tensor-parallel size {tp} (axis {hax!r})"
+        )
+    if a2a and (q.shape[2] // tp % n_a2a or k.shape[2] // tp % n_a2a):
+        raise ValueError(
+            f"{call}: q's {q.shape[2]} heads and k/v's {k.shape[2]} heads"
+            + (f" (per tensor-parallel device: / {tp})" if tp > 1 else "")
+            + f" must be divisible by {'the intra group size' if ring else 'cp'}={n_a2a}"
         )
     zigzag = causal and n_ring > 1
     chunks = 2 * cp if zigzag else cp
@@ -240,18 +273,36 @@ def _attention(call, q, k, v, lens, a2a_group, ring_group, softmax_scale, causal
             f"by {'2 * cp' if zigzag else 'cp'}={chunks} (cp={cp}"
             + (", zig-zag split for causal balance)" if zigzag else ")")
         )
-    if causal and q.shape[1] != k.shape[1]:
+    if (causal or segments or mask is not None) and q.shape[1] != k.shape[1] and mask is None:
         raise ValueError(
-            f"{call}: causal attention needs q and k/v of one sequence length, got {q.shape[1]} "
-            f"and {k.shape[1]}"
+            f"{call}: causal or packed attention needs q and k/v of one sequence length, got "
+            f"{q.shape[1]} and {k.shape[1]}"
+        )
+    if mask is not None and (
+        mask.dim() != 4
+        or mask.shape[0] not in (1, q.shape[0])
+        or mask.shape[1] != 1
+        or tuple(mask.shape[2:]) != (q.shape[1], k.shape[1])
+    ):
+        raise ValueError(
+            f"{call}: attn_mask of shape {tuple(mask.shape)} must be [batch or 1, 1, "
+            f"{q.shape[1]}, {k.shape[1]}] (one mask for every head) under context parallel"
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
-    dp = int(mesh.shape["dp"])
-    bax = "dp" if dp > 1 and q.shape[0] % dp == 0 else None
-    varlen = bool(lens)
-    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal), varlen)
-    fwd = _cached(key, lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal), varlen))
-    return _with_vjp(fwd, (q, k, v, *lens), call, n_diff=3)
+    baxes = group.batch_axes
+    nb = int(np.prod([mesh.shape[a] for a in baxes])) if baxes else 1
+    bax = None
+    if nb > 1 and q.shape[0] % nb == 0:
+        bax = baxes[0] if len(baxes) == 1 else baxes
+    extras = (("lens",) if lens else ()) + (("segments",) if segments else ())
+    extras += ("mask",) if mask is not None else ()
+    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal), extras, hax)
+    fwd = _cached(
+        key,
+        lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal), False, hax, extras),
+    )
+    inputs = (q, k, v, *lens, *segments, *([] if mask is None else [mask]))
+    return _with_vjp(fwd, inputs, call, n_diff=3)
 
 
 def ulysses(

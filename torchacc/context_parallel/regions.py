@@ -99,16 +99,29 @@ def _scores(q, k, scale):
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def _body(a2a, ring, n_ring, scale, causal):
+def _body(a2a, ring, n_ring, scale, causal, extras):
     """One device's attention: all-to-all over the ``a2a`` axes (Ulysses), then ``n_ring`` K/V
     blocks passed around the ``ring`` axes merged by online softmax. Masks come from the
-    tokens' global positions (``qpos``, ``kpos``), which travel with the blocks."""
+    tokens' global positions (``qpos``, ``kpos``), which travel with the blocks, and from the
+    ``extras`` (Note [Context parallel masks]): ``lens`` (q_lens, k_lens), ``segments`` (q's and
+    k's segment ids; k's travel with the block) and ``mask`` (rows of q's tokens, every key)."""
     perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
 
-    def body(q, k, v, qpos, kpos, *lens):
+    def gather(x, axis):  # a split of the sequence, gathered in the all-to-all's order
+        return jax.lax.all_gather(x, a2a, axis=axis, tiled=True)
+
+    def body(q, k, v, qpos, kpos, *rest):
+        rest = list(rest)
+        lens = (rest.pop(0), rest.pop(0)) if "lens" in extras else ()
+        qseg, kseg = (rest.pop(0), rest.pop(0)) if "segments" in extras else (None, None)
+        full_mask = rest.pop(0) if "mask" in extras else None
         if a2a:  # [b, s/n, h, d] -> [b, s, h/n, d]; the positions gathered in the same order
             q, k, v = (jax.lax.all_to_all(x, a2a, 2, 1, tiled=True) for x in (q, k, v))
-            qpos, kpos = (jax.lax.all_gather(p, a2a, tiled=True) for p in (qpos, kpos))
+            qpos, kpos = gather(qpos, 0), gather(kpos, 0)
+            if qseg is not None:
+                qseg, kseg = gather(qseg, 1), gather(kseg, 1)
+            if full_mask is not None:
+                full_mask = gather(full_mask, 2)
         b, sq, h, d = q.shape
         m = jnp.full((b, h, sq), _NEG, jnp.float32)
         den = jnp.zeros((b, h, sq), jnp.float32)
@@ -119,6 +132,15 @@ def _body(a2a, ring, n_ring, scale, causal):
             if lens:  # varlen: keys at or past a row's k_len are padding
                 keep = (kpos[None, :] < lens[1][:, None])[:, None, None]
                 mask = keep if mask is None else mask & keep
+            if qseg is not None:  # packed rows: a token sees only its own sequence
+                keep = (qseg[:, :, None] == kseg[:, None, :])[:, None]
+                mask = keep if mask is None else mask & keep
+            if full_mask is not None:  # the mask's columns of this block's keys
+                cols = jnp.take(full_mask, kpos, axis=3)
+                if cols.dtype == jnp.bool_:
+                    mask = cols if mask is None else mask & cols
+                else:  # additive
+                    s = s + cols.astype(jnp.float32)
             if mask is not None:
                 s = jnp.where(mask, s, _NEG)
             m_new = jnp.maximum(m, s.max(-1))
@@ -131,7 +153,10 @@ def _body(a2a, ring, n_ring, scale, causal):
             acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
             m = m_new
             if step + 1 < n_ring:
-                k, v, kpos = (jax.lax.ppermute(x, ring, perm) for x in (k, v, kpos))
+                moved = (k, v, kpos) if kseg is None else (k, v, kpos, kseg)
+                moved = [jax.lax.ppermute(x, ring, perm) for x in moved]
+                k, v, kpos = moved[:3]
+                kseg = moved[3] if kseg is not None else None
         out = acc / jnp.where(den > 0, den, 1.0)[..., None]
         if lens:  # varlen: queries at or past q_len are padding, their output 0
             out = jnp.where((qpos[None, :] < lens[0][:, None])[:, None, :, None], out, 0.0)
@@ -148,43 +173,99 @@ def _zigzag_order(n):
     return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
 
 
-def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen):
-    """The JAX function (q, k, v) -> out: one shard_map over ``a2a + ring``, sequences split on
-    those axes (ring major); the zig-zag reorder around it when a causal ring runs."""
+def _to_zigzag(x, axes, n, dim):
+    """Inside the region: device j's block of chunks 2j, 2j+1 (of 2n) becomes chunks j and
+    2n-1-j (the zig-zag layout), by two ppermutes over the sequence ``axes``; nothing is
+    gathered. Chunk c goes to device c (c < n) or 2n-1-c; device j gets its first chunk from
+    the even stream when j is even, from the odd one when odd."""
+    a, b = jnp.split(x, 2, axis=dim)
+    dest = [c if c < n else 2 * n - 1 - c for c in range(2 * n)]
+    ra = jax.lax.ppermute(a, axes, [(i, dest[2 * i]) for i in range(n)])
+    rb = jax.lax.ppermute(b, axes, [(i, dest[2 * i + 1]) for i in range(n)])
+    even = jax.lax.axis_index(axes) % 2 == 0
+    return jnp.concatenate([jnp.where(even, ra, rb), jnp.where(even, rb, ra)], axis=dim)
+
+
+def _from_zigzag(x, axes, n, dim):
+    """The inverse of :func:`_to_zigzag`: chunks j, 2n-1-j back to their home device c // 2."""
+    first, second = jnp.split(x, 2, axis=dim)
+    even = jax.lax.axis_index(axes) % 2 == 0
+    s0, s1 = jnp.where(even, first, second), jnp.where(even, second, first)
+    home0 = [(j if j % 2 == 0 else 2 * n - 1 - j) // 2 for j in range(n)]
+    home1 = [(2 * n - 1 - j if j % 2 == 0 else j) // 2 for j in range(n)]
+    r0 = jax.lax.ppermute(s0, axes, list(enumerate(home0)))
+    r1 = jax.lax.ppermute(s1, axes, list(enumerate(home1)))
+    return jnp.concatenate([r0, r1], axis=dim)
+
+
+def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extras=None):
+    """The JAX function (q, k, v, *extras) -> out: one shard_map over ``a2a + ring``, sequences
+    split on those axes (ring major), the batch on ``bax`` and the heads on ``hax`` (tensor
+    parallel: each device's heads, None: whole); the zig-zag reorder inside it when a causal
+    ring runs. ``extras`` (a tuple of "lens", "segments", "mask", in that order; ``varlen`` is
+    "lens") are the masks' inputs, Note [Context parallel masks]."""
+    extras = tuple(extras or ()) or (("lens",) if varlen else ())
     sizes = dict(mesh.shape)
     n_ring = int(np.prod([sizes[a] for a in ring]))
     n = n_ring * int(np.prod([sizes[a] for a in a2a]))
     seq_axes = tuple(a for a in mesh.axis_names if a in ring + a2a)
     seq = seq_axes[0] if len(seq_axes) == 1 else seq_axes
-    spec, pos_spec = P(bax, seq, None, None), P(seq)
-    body = _body(a2a, ring, n_ring, scale, causal)
+    spec, pos_spec = P(bax, seq, hax, None), P(seq)
+    extra_specs = []
+    for e in extras:
+        if e == "lens":
+            extra_specs += [P(bax), P(bax)]
+        elif e == "segments":
+            extra_specs += [P(bax, seq), P(bax, seq)]
+        else:  # mask [b or 1, 1, sq, sk]: q's rows on the sequence axes, every key
+            extra_specs.append(None)  # filled per call (its batch dim may broadcast)
     zigzag = causal and n_ring > 1
+
+    def zigzagged(extras):
+        """The body, with the zig-zag reorder in and out inside the region (ppermutes over the
+        sequence axes: q, k, v, segments and mask rows stay split, never gathered)."""
+        body = _body(a2a, ring, n_ring, scale, causal, extras)
+        if not zigzag:
+            return body
+
+        def region(q, k, v, qpos, kpos, *rest):
+            q, k, v = (_to_zigzag(x, seq_axes, n, 1) for x in (q, k, v))
+            rest = list(rest)
+            if "segments" in extras:
+                i = 2 if "lens" in extras else 0
+                rest[i], rest[i + 1] = (_to_zigzag(x, seq_axes, n, 1) for x in rest[i : i + 2])
+            if "mask" in extras:  # rows follow the queries; columns are picked by position
+                rest[-1] = _to_zigzag(rest[-1], seq_axes, n, 2)
+            return _from_zigzag(body(q, k, v, qpos, kpos, *rest), seq_axes, n, 1)
+
+        return region
+
+    # called with q, k, v alone it is the unmasked attention (as before the masks' inputs)
+    bodies = {extras: zigzagged(extras), (): zigzagged(())}
 
     laid = NamedSharding(mesh, spec)
 
-    def fwd(q, k, v, *lens):
+    def fwd(q, k, v, *rest):
         # inputs, results (and so the gradients) stay split on the sequence outside the region
         q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
+        rest = list(rest)
+        specs, active = (list(extra_specs), extras) if rest else ([], ())
+        if "mask" in active:
+            mask = rest[-1]
+            specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
-        if zigzag:  # reorder 2 * n chunks; the positions are reordered with them
+        if zigzag:  # the positions of the zig-zag layout (its reorder runs inside the region)
             order = np.array(_zigzag_order(n))
-
-            def zig(x, ix):
-                c = x.shape[1] // (2 * n)
-                x = x.reshape(x.shape[0], 2 * n, c, *x.shape[2:])[:, ix]
-                return x.reshape(x.shape[0], 2 * n * c, *x.shape[3:])
-
-            q, k, v = zig(q, order), zig(k, order), zig(v, order)
-            qpos = kpos = zig(qpos[None], order)[0]
+            c = q.shape[1] // (2 * n)
+            qpos = kpos = qpos.reshape(2 * n, c)[order].reshape(-1)
         out = jax.shard_map(
-            body,
+            bodies[active],
             mesh=mesh,
-            in_specs=(spec, spec, spec, pos_spec, pos_spec, *[P(bax)] * len(lens)),
+            in_specs=(spec, spec, spec, pos_spec, pos_spec, *specs),
             out_specs=spec,
             check_vma=False,
-        )(q, k, v, qpos, kpos, *lens)
-        out = zig(out, np.argsort(order)) if zigzag else out
+        )(q, k, v, qpos, kpos, *rest)
         return jax.lax.with_sharding_constraint(out, laid)
 
     return fwd

@@ -46,8 +46,10 @@ device-to-device copy of each unique block (``jax.device_put(may_alias=False)``:
 ordered before the next step's programs on the device, so donating the original is safe) and
 returns at once; the background writer reads the copies to the host one block at a time as DCP
 writes them. The training thread pays only for enqueuing the copies; the device holds one extra
-copy of the local shards until the write ends; the host holds one block (on a CPU device, where
-device memory is host memory, the copy itself is the one host copy).
+copy of the local shards until the write ends; the host holds one block. On a CPU device, where
+device memory is host memory, the copy itself is the one host copy, and the writer reads it in
+place (``transfer.read_view``: a second, per-block host copy (``np.array``) used to make a save
+hold ~2 copies and cost the cores a second memcpy).
 """
 
 from __future__ import annotations
@@ -145,21 +147,24 @@ class Shards:
     """The blocks of one tensor this process writes: ``pieces`` maps a block's offsets to
     ``(sizes, data, hint)``, data a single-device jax array (read when written) or a CPU tensor,
     hint the block's position among the tensor's local shards (torch_xla's write item index).
-    ``replicated``: the tensor is whole on every device (one block)."""
+    ``replicated``: the tensor is whole on every device (one block). ``private``: the device
+    blocks are this object's own copies (:meth:`on_device`), read without a host copy where the
+    device is the host (Note [Asynchronous saves])."""
 
-    def __init__(self, shape, dtype, pieces, replicated=False):
+    def __init__(self, shape, dtype, pieces, replicated=False, private=False):
         self.shape = tuple(shape)
         self.dtype = dtype
         self.pieces = pieces
         self.replicated = replicated
+        self.private = private
 
     def read(self, offsets):
-        from torchacc.engine.transfer import read
+        from torchacc.engine.transfer import read, read_view
 
         sizes, data, _ = self.pieces[tuple(offsets)]
         if isinstance(data, torch.Tensor):
             return data
-        host = read(data, self.dtype)
+        host = (read_view if self.private else read)(data, self.dtype)
         if tuple(host.shape) != sizes:  # a padded block: its logical part, in its own storage
             host = host[tuple(slice(0, n) for n in sizes)].clone()
         return host
@@ -172,15 +177,23 @@ class Shards:
     def on_device(self):
         """A copy whose blocks are new buffers on their devices (Note [Asynchronous saves]):
         enqueued, not waited for; the originals may then be donated by the next step."""
-        pieces = {}
-        for o, (s, data, h) in self.pieces.items():
-            if not isinstance(data, torch.Tensor):
-                data = jax.device_put(data, next(iter(data.devices())), may_alias=False)
-            pieces[o] = (s, data, h)
-        return Shards(self.shape, self.dtype, pieces, self.replicated)
+        return _on_devices([self])[0]
 
     def __repr__(self):
         return f"Shards(shape={self.shape}, dtype={self.dtype}, blocks={sorted(self.pieces)})"
+
+
+def _on_devices(shards):
+    """:meth:`Shards.on_device` of several at once: one batched ``jax.device_put`` for all of
+    their device blocks (a call per block costs the training thread ~1 ms each)."""
+    out = [dict(sh.pieces) for sh in shards]
+    where = [(p, o) for p in out for o, v in p.items() if not isinstance(v[1], torch.Tensor)]
+    arrays = [p[o][1] for p, o in where]
+    devices = [next(iter(a.devices())) for a in arrays]
+    for (p, o), c in zip(where, jax.device_put(arrays, devices, may_alias=False)):
+        p[o] = (p[o][0], c, p[o][2])
+    pairs = zip(shards, out)
+    return [Shards(sh.shape, sh.dtype, p, sh.replicated, private=True) for sh, p in pairs]
 
 
 def is_sharded(t):
@@ -211,20 +224,28 @@ def snapshot(state_dict, on_device=False):
     run)."""
     flat, _ = flatten_state_dict(state_dict)
     out, seen = {}, {}  # one copy of a tensor under several names (tied weights)
+    refs, to_copy = {}, {}  # name -> key in seen; key -> Shards to copy (all at once, below)
     for k, v in flat.items():
         if _on_device(v):
             key = (id(_device_array(v)), tuple(v.shape), v.dtype)  # detach() makes new tensors
             if key not in seen:
                 shards = unique_shards(v)
-                seen[key] = shards.on_device() if on_device else shards.on_host()
-            out[k] = seen[key]
+                seen[key] = shards if on_device else shards.on_host()
+                if on_device:
+                    to_copy[key] = shards
+            refs[k] = out[k] = key
         elif isinstance(v, Shards):
-            out[k] = v.on_device() if on_device else v.on_host()
+            key = ("shards", k)
+            seen[key] = v if on_device else v.on_host()
+            if on_device:
+                to_copy[key] = v
+            refs[k] = out[k] = key
         elif isinstance(v, torch.Tensor):
             out[k] = v.detach().clone()
         else:
             out[k] = copy.deepcopy(v)
-    return out
+    seen.update(zip(to_copy, _on_devices(list(to_copy.values()))))
+    return {k: seen[refs[k]] if k in refs else v for k, v in out.items()}
 
 
 def prime_optimizer(optimizer):
@@ -297,16 +318,16 @@ class SPMDSavePlanner(DefaultSavePlanner):
     def set_up_planner(self, state_dict, storage_meta=None, is_coordinator=False):
         if isinstance(storage_meta, bool):  # torch_xla's set_up_planner(state_dict, coordinator)
             storage_meta, is_coordinator = None, storage_meta
-        _check_job()
         super().set_up_planner(state_dict, storage_meta, is_coordinator)
         self.shards, rest = {}, {}
         for k, v in self.state_dict.items():
             if _on_device(v):
+                _check_job()
                 self.shards[k] = unique_shards(v)
             elif isinstance(v, Shards):
                 self.shards[k] = v
             else:
-                rest[k] = v
+                rest[k] = v  # DCP's own path (CPU tensors, DTensors: nothing starts JAX)
         self.state_dict = rest
 
     @property
@@ -437,9 +458,10 @@ class SPMDLoadPlanner(DefaultLoadPlanner):
         self.all_or_nothing = all_or_nothing
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator=False):
-        _check_job()
         super().set_up_planner(state_dict, metadata, is_coordinator)
         self.targets = {k: _Target(v) for k, v in self.state_dict.items() if _on_device(v)}
+        if self.targets:  # torchacc tensors; the others (DTensors, CPU) are DCP's own
+            _check_job()
         self.pending = 0
 
     @property

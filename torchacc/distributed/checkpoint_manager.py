@@ -33,6 +33,7 @@ from before the restore back: a failed restore changes nothing.
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import os
@@ -65,17 +66,24 @@ class RNGState:
     RNGState()}``): the torchacc device's generator and the CPU generator. Restored, dropout
     and other random ops continue the saved run's streams (the same layout: one process's
     streams are not split over another number of processes). In a job of several processes
-    each rank saves and restores its own entry (``rank<r>``)."""
+    each rank saves and restores its own entry (``rank<r>``). ``device=False``: the CPU
+    generator only (the eager path, torch's own devices: nothing of the torchacc device is
+    touched)."""
+
+    def __init__(self, device=True):
+        self.device = device
 
     def _rank(self):
         return dist.get_rank() if _distributed() else 0
 
     def state_dict(self):
-        from torchacc.engine.execute import fetch
-        from torchacc.lazy import random as device_rng
+        mine = {"cpu": torch.get_rng_state()}
+        if self.device:
+            from torchacc.engine.execute import fetch
+            from torchacc.lazy import random as device_rng
 
-        words = fetch(device_rng.state_value(), torch.uint32).tolist()
-        mine = {"device": (int(words[0]) << 32) | int(words[1]), "cpu": torch.get_rng_state()}
+            words = fetch(device_rng.state_value(), torch.uint32).tolist()
+            mine["device"] = (int(words[0]) << 32) | int(words[1])
         return {"kind": "RNGState", f"rank{self._rank()}": mine}
 
     def load_state_dict(self, state, source=None):
@@ -89,12 +97,21 @@ class RNGState:
                 f"{sorted(k for k in state if k.startswith('rank'))}); RNG streams resume only on "
                 "the layout that saved them"
             )
+        if self.device and "device" not in mine:
+            where = f"{source}: " if source else ""
+            raise CheckpointError(
+                f"{where}the saved RNG state of rank {self._rank()} has no torchacc device "
+                "stream (saved with RNGState(device=False)); restore it with device=False"
+            )
         torch.set_rng_state(mine["cpu"])
-        device_rng.manual_seed(int(mine["device"]))
+        if self.device:
+            device_rng.manual_seed(int(mine["device"]))
 
 
 def _is_stateful(v):
-    return isinstance(v, Stateful) and not isinstance(v, torch.Tensor)
+    # tensors first: the Stateful protocol check is slow (inspect.getattr_static), and a state
+    # dict is mostly tensors
+    return not isinstance(v, torch.Tensor) and isinstance(v, Stateful)
 
 
 def resolve_stateful(state_dict):
@@ -315,17 +332,26 @@ class CheckpointManager:
         copying, while ``max_pending_async`` saves are in flight; :meth:`join` waits for them."""
         if not (force or self.should_save(step)):
             return False
-        # the slot first, then the copy: at most max_pending_async host copies exist at a time
+        # the slot first, then the copy: at most max_pending_async copies exist at a time. The
+        # slot is given back only once the writer dropped its copy (not when its future is done:
+        # the pool's work item still holds its arguments then, and the next save's copy would
+        # briefly make two)
         self._async_sem.acquire()
         try:
-            copy = engine.snapshot(resolve_stateful(state_dict)[0], on_device=True)
-            future = self._pool.submit(self._save, step, copy)
+            box = [engine.snapshot(resolve_stateful(state_dict)[0], on_device=True)]
+            future = self._pool.submit(self._write_and_release, step, box)
         except BaseException:
             self._async_sem.release()
             raise
-        future.add_done_callback(lambda _: self._async_sem.release())
         self._futures.append(future)
         return True
+
+    def _write_and_release(self, step, box):
+        try:
+            self._save(step, box.pop())
+        finally:
+            gc.collect()  # DCP's planners may hold the copy in reference cycles
+            self._async_sem.release()
 
     def join(self):
         """Wait for the pending asynchronous saves; re-raises the first one's error."""

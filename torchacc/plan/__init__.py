@@ -16,7 +16,9 @@ holds them); depth extrapolation (a model deeper than ``full_depth_max`` layers 
 and 2 layers and every number extended linearly to its depth: layers are identical, so each adds
 the same bytes, FLOPs and collectives); pipeline parallelism (one stage of L/pp layers is
 compiled with the embedding and head, on a micro-batch; 1F1B keeps up to pp micro-batches of
-activations; the bubble and the activation sends between stages are added analytically); and
+activations; the bubble and the activation sends between stages are added analytically; kept
+for when the planner compiles ta.dist.PipelineParallel's step: pp > 1 is refused until then,
+``_check_layout``); and
 the step time: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + sum over collectives of
 their ring-algorithm bytes / link bandwidth`` (no overlap of communication with compute; a mesh
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
@@ -35,9 +37,8 @@ fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec, distributed
 its gradient and optimizer state alike; tp splits Megatron pairs: column layers (q/k/v, gate/up,
 c_attn, c_fc, lm_head; and the token embedding) on dim 0, row layers (o_proj, down_proj,
 c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp left. Activations whose dim 0
-is the batch are constrained to the data axes (Note [Activation layout] in compile.py), and an
-FSDP weight is gathered once for its forward and backward (Note [Gathered weights]), as in a real
-lazy-frontend step. XLA's partitioner inserts every collective, as in a real SPMD run.
+is the batch are constrained to the data axes (Note [Activation layout] in compile.py). XLA's
+partitioner inserts every collective, as in a real SPMD run.
 """
 
 from __future__ import annotations
@@ -184,13 +185,23 @@ def _check_layout(spec, mesh, devices, batch_size, seq_len, microbatches):
         )
     if spec.kind == "lm":
         if spec.n_head and mesh["tp"] > 1:
-            # (fewer kv heads than tp: XLA splits a kv head's projection across devices)
             if spec.n_head % mesh["tp"]:
                 raise PlanError(
                     f"tp={mesh['tp']} does not divide {spec.name}'s {spec.n_head} heads"
                 )
+            kv = spec.n_kv_head or spec.n_head
+            if kv % mesh["tp"]:  # Megatron splits whole heads, as dist.tp does (recipes.py)
+                raise PlanError(
+                    f"tp={mesh['tp']} does not divide {spec.name}'s {kv} key/value heads"
+                )
         if spec.n_layer and spec.n_layer % mesh["pp"]:
             raise PlanError(f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers")
+        if mesh["pp"] > 1:  # (roofline.py keeps a one-stage estimate, unchecked against a run)
+            raise PlanError(
+                f"pp={mesh['pp']}: the planner does not plan pipeline parallelism yet (its "
+                "program is not ta.dist.PipelineParallel's step, so no plan of it is checked); "
+                "plan with pp=1 (dp, fsdp, tp, cp)"
+            )
         if seq_len % mesh["cp"]:
             raise PlanError(f"cp={mesh['cp']} does not divide seq_len {seq_len}")
         if spec.max_seq and seq_len > spec.max_seq:
@@ -493,6 +504,18 @@ def search(
     The candidates (every divisor split, :func:`candidate_layouts`) are pre-ranked by an
     analytic state-bytes and traffic proxy; the ``top`` best are compiled and planned. Returns
     the plans that fit, fastest first, then those that do not."""
+    jobs = _search_jobs(
+        model, devices, batch_size, seq_len, memory, precision, optimizer, gc, scan_layers,
+        device, gpus_per_node, top,
+    )  # fmt: skip
+    return _rank(_run(jobs, progress))
+
+
+def _search_jobs(
+    model, devices, batch_size, seq_len, memory, precision, optimizer, gc, scan_layers, device,
+    gpus_per_node, top,
+):  # fmt: skip
+    """:func:`search`'s candidates to compile (validated worker requests)."""
     spec = resolve(model)
     _accelerator(device)
     limit = parse_bytes(memory)
@@ -510,8 +533,15 @@ def search(
     scored = sorted(cands, key=lambda m: _analytic_score(spec, m, batch_size, seq_len)[1])
     fitting = [m for m in scored if _analytic_score(spec, m, batch_size, seq_len)[0] < limit]
     chosen = (fitting or scored)[:top]
-    plans = _plan_many(
-        model, batch_size, seq_len, chosen, precision, optimizer, gc, scan_layers, device,
-        devices, gpus_per_node, limit, None, False, progress,
-    )  # fmt: skip
+    return [
+        _prepare(
+            model, batch_size, seq_len, mesh, precision, optimizer, gc, scan_layers, device,
+            devices, gpus_per_node, limit, None, False,
+        )
+        for mesh in chosen
+    ]  # fmt: skip
+
+
+def _rank(plans):
+    """Plans that fit first, fastest first; then those that do not."""
     return sorted(plans, key=lambda p: (not p.fits, p.step_time))

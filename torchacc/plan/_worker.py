@@ -56,15 +56,7 @@ def compile_one(spec, req, layout, n_layer, devices):
     constrain = None
     if req.get("constrain", True) and (data_axes or mesh_shape["cp"] > 1) and spec.kind == "lm":
         constrain = pc.activation_constraint(mesh, data_axes, mesh_shape, batch, seq)
-    gathered = {}
-    if mesh_shape["fsdp"] > 1:  # Note [Gathered weights] in compile.py
-        for k, role in enumerate(roles_in):
-            if role[0] == "param":
-                s = pc.param_spec(info["names"][role[1]], info["shapes"][role[1]], mesh_shape)
-                if "fsdp" in s:
-                    s = tuple(None if e == "fsdp" else e for e in s)
-                    gathered[k] = NS(mesh, P(*s))
-    run, n_in = pc.lower_to_jax(gm, constrain, gathered)
+    run, n_in = pc.lower_to_jax(gm, constrain)
 
     def spec_of(role, shape):
         kind, i = role
@@ -90,7 +82,7 @@ def compile_one(spec, req, layout, n_layer, devices):
         avals.append(jax.ShapeDtypeStruct(pshape, dtype, sharding=sh))
         in_specs.append(sh)
         logical.append(shape if pshape != shape else None)
-        if role[0] in ("param", "m", "v", "count"):
+        if role[0] in ("param", "m", "v", "count") or (role[0] == "buffer" and role in roles_out):
             donate.append(k)
     out_node = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
     out_vals = [o.meta["val"] for o in out_node.args[0]]
@@ -200,10 +192,14 @@ def main():
             layout = dict(req["layout"])
             depths = req["depths"]
             for k, depth in enumerate(depths):
+                what = (
+                    f"compiling {depth or spec.n_layer} layers"
+                    if depth or spec.n_layer
+                    else "compiling the step"
+                )
+                axes = ",".join(f"{a}={layout[a]}" for a in layout if layout[a] > 1) or "dp=1"
                 _progress(
-                    f"{req['model']} {j + 1}/{len(jobs)} "
-                    f"{','.join(f'{a}={layout[a]}' for a in layout if layout[a] > 1) or 'dp=1'}: "
-                    f"compiling {depth or spec.n_layer or ''} layers ({k + 1}/{len(depths)})"
+                    f"{req['model']} {j + 1}/{len(jobs)} {axes}: {what} ({k + 1}/{len(depths)})"
                 )
                 r = compile_one(spec, req, layout, depth, devices)
                 r["job"] = j

@@ -9,11 +9,22 @@ with ``--xla_force_host_platform_device_count=N``. Note [What the planner compil
    functionally (AdamW: two fp32 moments and a step count; SGD with momentum: one buffer) -- is
    traced with ``make_fx`` and functionalized, as ``torchacc.compile_step`` traces a step;
 3. the graph is lowered with torchacc's rules (``dynamo/lower.py``) into one JAX function;
+   BatchNorm's running statistics become results of the step (Note [Buffer updates]);
 4. that function is ``jax.jit``-ed with the layout's shardings (parameters, gradients and
    optimizer state in the parameter's layout, the batch over the data axes), parameters and
    optimizer state donated (updated in place, as a real step does), and compiled from
    ``jax.ShapeDtypeStruct`` s only. A dimension a mesh axis does not divide is padded, as the
    sharding engine pads it (Note [Padded shards] in sharding/layout.py).
+
+Note [Tracing on the torchacc device]
+The fake model, its batch and its optimizer state live on the torchacc device (fake tensors of
+device ``torchacc``), and AMP is ``torch.autocast("torchacc")``. So the step takes the same
+layers a real run takes: ``F.linear`` and SDPA reach the autograd-level kernels
+(lazy/autograd_kernels.py) and ``torchacc_ops`` (RMSNorm, rotary, SwiGLU, attention with
+grouped-query heads unexpanded) their fused kernels (lazy/fused_kernels.py), one op forward and
+one backward each. Traced on the CPU instead, those layers decomposed into PyTorch's math (the
+attention's key/value heads repeated, every intermediate saved for the backward): another
+program, whose XLA temp was 12% above a real LLaMA-tiny FSDP step's (tests/test_plan.py).
 
 The compiled executable's ``memory_analysis()``, ``cost_analysis()`` and HLO text are per device
 (XLA's SPMD partitioner has already split the program).
@@ -86,7 +97,7 @@ def _build(spec, n_layer, scan_layers, gc):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    with fake:
+    with fake, _device():  # Note [Tracing on the torchacc device]
         model = spec.build(n_layer, False)  # scan_layers: Note [scan_layers in a plan]
     model.train()
     if gc:
@@ -111,14 +122,24 @@ def _checkpoint_blocks(model, spec):
         b.forward = run
 
 
+def _device():
+    from torchacc.lazy import device
+
+    return device.device()
+
+
 def make_batch(spec, fake, batch, seq):
+    d = _device()
     with fake:
         if spec.kind == "vision":
             c, h, w = spec.image
-            return [torch.empty(batch, c, h, w), torch.empty(batch, dtype=torch.long)]
+            return [
+                torch.empty(batch, c, h, w, device=d),
+                torch.empty(batch, dtype=torch.long, device=d),
+            ]
         return [
-            torch.empty(batch, seq, dtype=torch.long),
-            torch.empty(batch, seq, dtype=torch.long),
+            torch.empty(batch, seq, dtype=torch.long, device=d),
+            torch.empty(batch, seq, dtype=torch.long, device=d),
         ]
 
 
@@ -134,14 +155,15 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
     names = [n for n, _ in named]
     params = [p for _, p in named]
     buffers = dict(model.named_buffers())
+    d = _device()
     with fake:
-        m = [torch.empty(p.shape, dtype=torch.float32) for p in params]
+        m = [torch.empty(p.shape, dtype=torch.float32, device=d) for p in params]
         v = (
-            [torch.empty(p.shape, dtype=torch.float32) for p in params]
+            [torch.empty(p.shape, dtype=torch.float32, device=d) for p in params]
             if optimizer == "adamw"
             else []
         )
-        count = torch.empty((), dtype=torch.float32)
+        count = torch.empty((), dtype=torch.float32, device=d)
     data = make_batch(spec, fake, batch, seq)
     n_p, n_m, n_v, n_b = len(params), len(m), len(v), len(buffers)
     bnames = list(buffers)
@@ -158,7 +180,7 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
         state = {**dict(zip(names, ps)), **dict(zip(bnames, bufs))}
         # the substitution spans the backward too: gc's recompute reads the module's weights
         with stateless._reparametrize_module(model, state, tie_weights=True):
-            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            with torch.autocast(d.type, dtype=torch.bfloat16, enabled=amp):
                 out = model(x)
             out = out.float()
             loss = torch.nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
@@ -193,6 +215,7 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
             torch.func.functionalize(raw, remove="mutations_and_views"),
             decomposition_table=decomp,
         )(*example)
+    written = _buffer_updates(gm, n_p + n_m + n_v + 1, n_b)
     roles_in = (
         [("param", i) for i in range(n_p)]
         + [("m", i) for i in range(n_m)]
@@ -208,6 +231,7 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
         + [("v", i) for i in range(n_v)]
         + [("count", 0)]
         + [("grad", i) for i in range(n_p)]
+        + [("buffer", i) for i in written]
     )
     info = dict(
         names=names,
@@ -221,20 +245,26 @@ def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
     return gm, roles_in, roles_out, info
 
 
-_T = (torch.ops.aten.t_copy.default, torch.ops.aten.t.default)
-_SAME = (
-    torch.ops.aten.detach_copy.default,
-    torch.ops.aten.detach.default,
-    torch.ops.aten._to_copy.default,  # autocast's bf16 copy of a weight
-    torch.ops.prims.convert_element_type.default,
-)
-
-
-def _origin(node):
-    """The value ``node`` is a detached (or autocast-cast) copy of."""
-    while getattr(node, "target", None) in _SAME:
-        node = node.args[0]
-    return node
+def _buffer_updates(gm, first, n_buffers):
+    """Note [Buffer updates]: functionalization writes each mutated input back with a trailing
+    ``copy_`` (BatchNorm's running statistics and batch count); the planner makes every buffer's
+    new value a result of the step instead (donated with the buffer, as a real step's program
+    updates it in place). Buffers are placeholders ``first .. first + n_buffers - 1``; returns
+    the indices of those written."""
+    phs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    buffers = phs[first : first + n_buffers]
+    new = dict.fromkeys(buffers)
+    for n in list(gm.graph.nodes):
+        if n.op == "call_function" and n.target is torch.ops.aten.copy_.default:
+            if n.args[0] in new and not n.users:
+                new[n.args[0]] = n.args[1]
+                gm.graph.erase_node(n)
+    out = next(n for n in reversed(gm.graph.nodes) if n.op == "output")
+    written = [i for i, b in enumerate(buffers) if new[b] is not None]
+    out.args = (list(out.args[0]) + [new[buffers[i]] for i in written],)
+    gm.graph.lint()
+    gm.recompile()
+    return written
 
 
 def _embedding_params(model):
@@ -269,13 +299,11 @@ def saved_activation_nodes(gm):
     return saved
 
 
-def lower_to_jax(gm, constrain=None, gathered=None):
+def lower_to_jax(gm, constrain=None):
     """The graph as one JAX function ``f(*inputs) -> outputs`` (positions of the graph's
     placeholders and outputs); a :class:`PlanError` names any op without a lowering.
     ``constrain(node, array) -> array``: applied to every node's result (sharding constraints
-    on activations, Note [Activation layout]). ``gathered``: {placeholder index: sharding} of
-    the FSDP weights, gathered where the forward transposes them (Note [Gathered weights])."""
-    import jax
+    on activations, Note [Activation layout])."""
     from torch import fx
 
     from torchacc.dynamo import lower
@@ -308,9 +336,6 @@ def lower_to_jax(gm, constrain=None, gathered=None):
                 continue
             args = fx.node.map_arg(node.args, env.__getitem__)
             kwargs = fx.node.map_arg(node.kwargs, env.__getitem__)
-            if gathered and node.target in _T and pos.get(_origin(node.args[0])) in gathered:
-                sharding = gathered[pos[_origin(node.args[0])]]
-                args = (jax.lax.with_sharding_constraint(args[0], sharding),)
             val = eval_rule(node, rule, args, kwargs, keys)
             env[node] = constrain(node, val) if constrain is not None else val
         return [env[n] for n in seg.outputs]
@@ -331,14 +356,6 @@ def lower_to_jax(gm, constrain=None, gathered=None):
         return vals
 
     return run, len(placeholders)
-
-
-# Note [Gathered weights]
-# Autograd's linear is ``mm(x, t(w))`` forward and ``mm(g, t(t(w)))`` backward. Left alone, XLA's
-# partitioner all-gathers an FSDP-sharded ``w`` and, separately, its transpose; the lazy
-# frontend's program (whose linear backward reads ``w`` itself) gathers each weight once and keeps
-# it for the backward. The planner constrains the weight to its layout without the fsdp axis where
-# the forward transposes it, so the one gather serves both, as in a real run.
 
 
 def activation_constraint(mesh, data_axes, mesh_shape, batch, seq):

@@ -160,12 +160,15 @@ def format_table(plans):
         ("comm time", lambda p: f"{sum(p.collective_time.values()) * 1e3:.1f} ms"),
         ("est. step time", lambda p: f"{p.step_time * 1e3:.1f} ms"),
         ("est. MFU", lambda p: f"{100 * p.mfu:.1f}%"),
-        ("tokens/s/device", lambda p: f"{p.tokens_per_s_per_device:,.0f}"),
     ]  # fmt: skip
     first = plans[0]
+    # (a vision model's "tokens" are images: its plan has no sequence, seq_len 0)
+    unit = "tokens" if first.seq_len else "images"
+    rows.append((f"{unit}/s/device", lambda p: f"{p.tokens_per_s_per_device:,.0f}"))
     head = (
         f"{first.model}: {first.n_params / 1e6:,.1f}M params, global batch {first.batch_size}"
-        f" x seq {first.seq_len}, {first.precision}, {first.optimizer}"
+        + (f" x seq {first.seq_len}" if first.seq_len else "")
+        + f", {first.precision}, {first.optimizer}"
         f"{', gc' if first.gc else ''}{', scan_layers' if first.scan_layers else ''}; "
         f"{first.devices} x {first.device} ({first.gpus_per_node} per node)"
     )

@@ -11,7 +11,14 @@ import torch
 
 from torchacc.sharding import api as sharding
 
-__all__ = ["megatron_plan", "tensor_parallel", "parallelize_module"]
+__all__ = [
+    "megatron_plan",
+    "tensor_parallel",
+    "parallelize_module",
+    "torch_style_hook",
+    "torch_style_replicates",
+    "distribute_module",
+]
 
 # Note [Megatron pairs]
 # ~~~~~~~~~~~~~~~~~~~~~
@@ -181,6 +188,85 @@ def _hooks(module, in_dim, out_dim, mesh, axis):
         module.register_forward_pre_hook(pre)
     if out_dim is not None:
         module.register_forward_hook(lambda mod, args, out: _constrain(out, out_dim, mesh, axis))
+
+
+def torch_style_hook(fn, call="distribute_module"):
+    """The tensor dim a ``torch.distributed.tensor.parallel`` style's input / output hook lays
+    its tensor out on (a ``functools.partial`` of ``_prepare_input_fn`` / ``_prepare_output_fn``
+    over the layouts, as ``ColwiseParallel``, ``RowwiseParallel`` and ``SequenceParallel`` pass
+    them to ``distribute_module``): ``("dim", d or None)``. ``None`` when ``fn`` is not such a
+    hook (a user's own function); a hook of another style is a ValueError naming it."""
+    import functools
+
+    if not isinstance(fn, functools.partial):
+        return None
+    inner = getattr(fn.func, "__func__", fn.func)
+    module = getattr(inner, "__module__", "") or ""
+    owner, _, name = (getattr(inner, "__qualname__", "") or "").rpartition(".")
+    if not module.startswith("torch.distributed.tensor.parallel"):
+        return None
+    if owner not in ("ColwiseParallel", "RowwiseParallel", "SequenceParallel") or name not in (
+        "_prepare_input_fn",
+        "_prepare_output_fn",
+    ):
+        raise ValueError(
+            f"{call}: {owner or inner.__qualname__} is not supported (ColwiseParallel, "
+            "RowwiseParallel, SequenceParallel)"
+        )
+    layout = fn.args[0] if fn.args else None
+    if isinstance(layout, bool):  # SequenceParallel's output hook: use_local_output only
+        return ("dim", None)
+    return ("dim", _placement_dim(layout, call))
+
+
+def torch_style_replicates(partition_fn):
+    """Whether ``partition_fn`` is ``SequenceParallel``'s, which replicates the parameters with
+    ``DTensor.from_local`` (no DTensor exists in SPMD mode: whole parameters are replicated
+    already)."""
+    inner = getattr(partition_fn, "__func__", partition_fn)
+    return getattr(inner, "__qualname__", "") == "SequenceParallel._replicate_module_fn" and (
+        getattr(inner, "__module__", "") or ""
+    ).startswith("torch.distributed.tensor.parallel")
+
+
+def distribute_module(
+    module, jmesh, partition_fn, input_fn, output_fn, given_mesh, hook_mesh, unwrap, call
+):
+    """torch's ``distribute_module`` on a module of the torchacc device in SPMD mode (what
+    ``parallelize_module`` on an ``xla`` DeviceMesh reaches through torch_xla's
+    ``xla_distribute_module``): ``partition_fn(name, sub, given_mesh)`` marks the parameters
+    (torch's ``distribute_tensor`` calls; ``unwrap`` gives the tensor a sharded wrapper holds,
+    and the module keeps its own, now sharded, parameter instead of the wrapper). The input /
+    output hooks of ColwiseParallel, RowwiseParallel and SequenceParallel become sharding
+    constraints of the layouts they name over ``jmesh``'s one axis; a user's own hooks are
+    called with ``hook_mesh``. SequenceParallel's replicating partition needs nothing."""
+    styled = [torch_style_hook(fn, call) for fn in (input_fn, output_fn)]
+    if any(s is not None for s in styled) and len(jmesh.axis_names) != 1:
+        raise ValueError(
+            f"{call}: torch's tensor-parallel styles take a 1-D mesh (device_mesh['tp']), got "
+            f"shape {dict(jmesh.shape)}"
+        )
+    if partition_fn is not None and not torch_style_replicates(partition_fn):
+        for name, sub in module.named_modules():
+            before = dict(sub._parameters)
+            partition_fn(name, sub, given_mesh)
+            for pname, p in list(sub._parameters.items()):
+                if p is None or unwrap(p) is p:
+                    continue
+                old = before.get(pname)
+                if old is not None and sharding.sharding_of(old) is not None:
+                    sub._parameters[pname] = old  # marked in place by distribute_tensor
+                else:
+                    t = unwrap(p).detach()
+                    sub._parameters[pname] = torch.nn.Parameter(t, requires_grad=p.requires_grad)
+    if any(s is not None for s in styled):
+        a, b = [None if s is None else s[1] for s in styled]
+        _hooks(module, a, b, jmesh, jmesh.axis_names[0])
+    if input_fn is not None and styled[0] is None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, hook_mesh))
+    if output_fn is not None and styled[1] is None:
+        module.register_forward_hook(lambda mod, inputs, out: output_fn(mod, out, hook_mesh))
+    return module
 
 
 def _style_of(style, call):

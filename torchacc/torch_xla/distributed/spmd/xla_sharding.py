@@ -35,6 +35,13 @@ from torchacc.torch_xla.distributed.spmd._mesh import (  # noqa: F401
     traced_sharding,
 )
 
+# torch's DTensor vocabulary (an xla DeviceMesh, placements) lives in _placements.py
+from torchacc.torch_xla.distributed.spmd._placements import (  # noqa: F401
+    _as_mesh,
+    _entry,
+    _placement_spec,
+)
+
 # a Mesh asks this module's _device_count at call time (Note in _mesh.py: _count_source)
 _mesh_module._count_source[0] = lambda: _device_count()
 
@@ -247,8 +254,9 @@ def _dtensor_spec(t):
 
 
 def _wrap_result(x):
-    """An op on a sharded tensor gives a sharded tensor (on the device), as torch_xla's does."""
-    if isinstance(x, torch.Tensor) and x.device.type == DEVICE_TYPE:
+    """An op on a sharded tensor gives a sharded tensor, as torch_xla's does: on the device, or
+    on the CPU (``.cpu()`` of a sharded tensor: its ``global_tensor`` is the host copy)."""
+    if isinstance(x, torch.Tensor) and not isinstance(x, XLAShardedTensor):
         return XLAShardedTensor(x, requires_grad=False)
     return x
 
@@ -416,31 +424,17 @@ def apply_xla_patch_to_nn_linear(module):
 
 def xla_distribute_module(module, mesh=None, partition_fn=None, input_fn=None, output_fn=None):
     """Move ``module`` to the device; ``partition_fn(name, module, mesh)`` shards its
-    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks."""
+    parameters (as torch_xla); ``input_fn``/``output_fn`` become forward hooks. Those of torch's
+    Colwise/Rowwise/SequenceParallel (``parallelize_module`` on an ``xla`` DeviceMesh) become
+    layouts (``recipes.distribute_module``): no DTensor exists in SPMD mode."""
     import torchacc
+    from torchacc.sharding import recipes
 
-    given = mesh  # partition_fn gets the mesh it was given (torch's DeviceMesh calls back torch)
-    mesh = _mesh_or_global(mesh, "xs.xla_distribute_module")
+    given, call = mesh, "xs.xla_distribute_module"  # partition_fn gets the mesh it was given
+    mesh = _mesh_or_global(_as_mesh(mesh), call)
+    fns = (partition_fn, input_fn, output_fn, mesh if given is None else given, mesh)
     module = module.to(torchacc.device())
-    if partition_fn is not None:
-        for name, sub in module.named_modules():
-            partition_fn(name, sub, mesh if given is None else given)
-    if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
-    if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, out: output_fn(mod, out, mesh))
-    return module
-
-
-def _as_mesh(mesh):
-    """An ``xs.Mesh`` for ``mesh`` (an ``xs.Mesh``, or torch's ``DeviceMesh("xla", ...)``)."""
-    grid = getattr(mesh, "mesh", None)
-    if isinstance(grid, torch.Tensor) and getattr(mesh, "device_type", None) in (
-        "xla",
-        DEVICE_TYPE,
-    ):
-        return Mesh(grid.flatten().tolist(), tuple(grid.shape), mesh.mesh_dim_names)
-    return mesh
+    return recipes.distribute_module(module, mesh.get_jax_mesh(), *fns, unwrap_sharded_tensor, call)
 
 
 def xla_distribute_tensor(tensor, device_mesh, placements=None):
@@ -467,27 +461,6 @@ def xla_distribute_tensor(tensor, device_mesh, placements=None):
     if tensor.requires_grad:
         return XLAShardedTensor(out.global_tensor, requires_grad=True)
     return out
-
-
-def _entry(e):
-    return e if isinstance(e, tuple) else (e,)
-
-
-def _placement_spec(placements, ndim, call):
-    """The partition spec of DTensor ``placements`` (one per mesh axis) for a rank-``ndim``
-    tensor: ``Shard(d)`` on axis ``i`` splits dim ``d`` over axis ``i``."""
-    from torch.distributed.tensor.placement_types import Replicate, Shard
-
-    spec = [None] * ndim
-    for axis, p in enumerate(placements):
-        if isinstance(p, Shard):
-            if not -ndim <= p.dim < ndim:
-                raise IndexError(f"{call}: {p} of a tensor of rank {ndim}")
-            d = p.dim % ndim
-            spec[d] = axis if spec[d] is None else (*_entry(spec[d]), axis)
-        elif not isinstance(p, Replicate):
-            raise NotImplementedError(f"{call}: placement {p} (only Shard and Replicate)")
-    return tuple(spec)
 
 
 def _mark_manual_sharding(t):
