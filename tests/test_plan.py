@@ -43,6 +43,9 @@ CASES = [
     ("gpt-tiny", {"fsdp": 4}),
 ]
 BATCH, SEQ = 8, 64
+# the module's fixtures (one planner worker, one real-steps process) are its cost: one xdist
+# worker runs every test here, so they start once in the suite, not once per worker
+pytestmark = pytest.mark.xdist_group("plan")
 
 
 def _env(**extra):
