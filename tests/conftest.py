@@ -86,3 +86,46 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(
             f"docs: {sum(ran)} python code blocks ran on {len(ran)} pages (tests/test_docs.py)"
         )
+
+
+# --- where the suite's time goes -------------------------------------------------------------
+# The suite is CPU-bound on 2 cores (about 1.9 busy), and most of a test's CPU is in the
+# processes it starts, which pytest's --durations does not separate from waiting for a core.
+# ``--cpu-times=PATH`` appends one line per test to PATH.<xdist worker>: node id, the test
+# process's CPU seconds, its reaped children's CPU seconds, wall seconds (tab-separated).
+# tools/suite_cpu.py sums them per file.
+
+
+def pytest_addoption(parser):
+    parser.addoption(
+        "--cpu-times",
+        default=None,
+        metavar="PATH",
+        help="append each test's CPU seconds (own, children's) and wall seconds to PATH.<worker>",
+    )
+
+
+def _cpu_seconds():
+    import resource
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    path = item.config.getoption("--cpu-times")
+    if not path:
+        yield
+        return
+    import time
+
+    own0, kids0 = _cpu_seconds()
+    wall0 = time.perf_counter()
+    yield
+    own1, kids1 = _cpu_seconds()
+    wall = time.perf_counter() - wall0
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    with open(f"{path}.{worker}", "a") as f:
+        f.write(f"{item.nodeid}\t{own1 - own0:.2f}\t{kids1 - kids0:.2f}\t{wall:.2f}\n")
