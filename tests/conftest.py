@@ -126,6 +126,7 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     own1, kids1 = _cpu_seconds()
     wall = time.perf_counter() - wall0
-    worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+    # this session's own xdist worker id (a pytest started by a test inherits the env variable)
+    worker = getattr(item.config, "workerinput", {}).get("workerid", "main")
     with open(f"{path}.{worker}", "a") as f:
         f.write(f"{item.nodeid}\t{own1 - own0:.2f}\t{kids1 - kids0:.2f}\t{wall:.2f}\n")
