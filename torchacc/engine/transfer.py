@@ -99,14 +99,7 @@ def read(array, dtype):
         host = mesh.gather(array)
     else:
         host = np.array(array)
-    metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
-    metrics.counter_inc("TransferFromDevice")
-    bits = _FROM_ML.get(host.dtype)
-    if bits is not None:
-        out = torch.from_numpy(host.view(bits[0])).view(bits[1])
-    else:
-        out = torch.from_numpy(host)
-    return out if out.dtype == dtype else out.to(dtype)
+    return _host_tensor(host, dtype, start)
 
 
 def read_view(array, dtype):
@@ -116,16 +109,21 @@ def read_view(array, dtype):
     save's private copy). Elsewhere the device-to-host copy :func:`read` makes."""
     start = time.perf_counter()
     host = np.asarray(array)  # zero-copy on a CPU device
+    with warnings.catch_warnings():  # read-only memory: the caller only reads it
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        return _host_tensor(host, dtype, start)
+
+
+def _host_tensor(host, dtype, start):
+    """The torch tensor of the numpy array ``host`` read from the device (counted as one
+    transfer since ``start``): ml_dtypes' types reinterpreted as torch's, then cast to ``dtype``."""
     metrics.record_time("TransferFromDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferFromDevice")
     bits = _FROM_ML.get(host.dtype)
     if bits is not None:
-        host = host.view(bits[0])
-    with warnings.catch_warnings():  # read-only memory: the caller only reads it
-        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        out = torch.from_numpy(host.view(bits[0])).view(bits[1])
+    else:
         out = torch.from_numpy(host)
-    if bits is not None:
-        out = out.view(bits[1])
     return out if out.dtype == dtype else out.to(dtype)
 
 
