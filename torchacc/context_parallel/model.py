@@ -27,6 +27,7 @@ Note [Context parallel for a model]
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -36,7 +37,7 @@ import torchacc_ops
 from torchacc import context_parallel as cp
 from torchacc.lazy.device import DEVICE_TYPE
 
-__all__ = ["parallelize", "batch_spec", "ALGORITHMS"]
+__all__ = ["parallelize", "attention_regions", "batch_spec", "ALGORITHMS"]
 
 ALGORITHMS = ("auto", "ulysses", "ring")
 
@@ -171,3 +172,17 @@ def parallelize(
 
     model.forward = forward
     return group
+
+
+@contextlib.contextmanager
+def attention_regions(group, algorithm="auto"):
+    """Within the ``with``: SDPA and ``torchacc_ops.flash_attention`` on torchacc tensors run
+    as ``group``'s ring / Ulysses region (what :func:`parallelize` does inside the model's
+    forward; a pipeline stage runs its blocks under it)."""
+    sdpa, flash = F.scaled_dot_product_attention, torchacc_ops.flash_attention
+    F.scaled_dot_product_attention = _sdpa(group, algorithm, sdpa)
+    torchacc_ops.flash_attention = _flash(group, algorithm, flash)
+    try:
+        yield group
+    finally:
+        F.scaled_dot_product_attention, torchacc_ops.flash_attention = sdpa, flash

@@ -70,6 +70,9 @@ def _with_vjp(fwd, tensors, name, n_diff=None):
             grads = _jax_node(bwd, (*ctx.saved_tensors, g.contiguous()), name + "_bwd")
             return (*grads, *[None] * (len(tensors) - n_diff))
 
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors[:n_diff]):
+        # no autograd (a region traced whole, e.g. a pipeline stage, differentiates in JAX)
+        return _jax_node(fwd, tensors, name)[0]
     return _Op.apply(*tensors)
 
 
@@ -168,6 +171,77 @@ def _body(a2a, ring, n_ring, scale, causal, extras):
     return body
 
 
+# Note [Nested regions]
+#   A region recorded inside another one's body (attention of a pipeline stage: the stage runs
+#   inside the pipeline's shard_map, manual over pp and the batch axes) is a nested shard_map:
+#   on the abstract mesh of its context, manual over its own axes (cp, the heads' tp) only, and
+#   its specs leave out the outer region's axes (the arrays there are that device's already).
+#   Its types are checked (check_vma) so that the outer region's autodiff sees which values
+#   vary over its axes. At top level (no outer region) nothing changes.
+
+
+def _outer_manual():
+    """The mesh axes an enclosing shard_map has made manual (empty at top level)."""
+    am = jax.sharding.get_abstract_mesh()
+    return frozenset(getattr(am, "manual_axes", ()) or ())
+
+
+def _strip(outer):
+    """PartitionSpec -> the same without the axes in ``outer``."""
+
+    def entry(e):
+        if e is None:
+            return None
+        if isinstance(e, (tuple, list)):
+            kept = tuple(a for a in e if a not in outer)
+            return kept if len(kept) > 1 else (kept[0] if kept else None)
+        return None if e in outer else e
+
+    def keep(spec):
+        return P(*[entry(e) for e in spec]) if outer else spec
+
+    return keep
+
+
+def _nested(body, amesh, outer, in_specs, out_spec):
+    """``body`` as a shard_map nested in an outer region (Note [Nested regions]), manual over
+    the axes ``outer`` leaves automatic, differentiable in its first three arguments (q, k, v):
+    its backward is a second nested region running ``body``'s VJP (recomputing the forward
+    inside), so that no residual crosses the nested region's boundary (JAX's residual specs
+    there name the outer manual axes, which the partitioner refuses)."""
+    names = frozenset(a for a in amesh.axis_names if a not in outer)
+
+    def region(f, specs, out):
+        return jax.shard_map(
+            f, mesh=amesh, in_specs=specs, out_specs=out, axis_names=names, check_vma=True
+        )
+
+    @jax.custom_vjp
+    def run(q, k, v, *rest):
+        return region(body, in_specs, out_spec)(q, k, v, *rest)
+
+    def fwd(q, k, v, *rest):
+        return run(q, k, v, *rest), (q, k, v, rest)
+
+    def back(q, k, v, *rest_and_g):
+        *rest, g = rest_and_g
+        return jax.vjp(lambda a, b, c: body(a, b, c, *rest), q, k, v)[1](g)
+
+    def bwd(res, g):
+        q, k, v, rest = res
+        dq, dk, dv = region(back, (*in_specs, out_spec), (out_spec,) * 3)(q, k, v, *rest, g)
+        zeros = [
+            np.zeros(r.shape, jax.dtypes.float0)
+            if not jnp.issubdtype(r.dtype, jnp.inexact)
+            else jnp.zeros_like(r)
+            for r in rest
+        ]
+        return (dq, dk, dv, *zeros)
+
+    run.defvjp(fwd, bwd)
+    return run
+
+
 def _zigzag_order(n):
     """Chunk order of the zig-zag layout: device i holds chunks i and 2 * n - 1 - i."""
     return [c for i in range(n) for c in (i, 2 * n - 1 - i)]
@@ -243,29 +317,41 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
     # called with q, k, v alone it is the unmasked attention (as before the masks' inputs)
     bodies = {extras: zigzagged(extras), (): zigzagged(())}
 
-    laid = NamedSharding(mesh, spec)
-
     def fwd(q, k, v, *rest):
+        # inside an outer region (a pipeline stage, manual over pp and the batch axes): this
+        # region is nested, over the axes still automatic there (Note [Nested regions])
+        outer = _outer_manual()
+        rmesh = jax.sharding.get_abstract_mesh() if outer else mesh
+        keep = _strip(outer)
+        rspec = keep(spec)
+        laid = NamedSharding(rmesh, rspec)
         # inputs, results (and so the gradients) stay split on the sequence outside the region
         q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
         rest = list(rest)
-        specs, active = (list(extra_specs), extras) if rest else ([], ())
+        specs, active = (
+            ([keep(s) for s in extra_specs if s is not None], extras)
+            if rest
+            else (
+                [],
+                (),
+            )
+        )
         if "mask" in active:
             mask = rest[-1]
-            specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)
+            specs.append(keep(P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)))
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
         if zigzag:  # the positions of the zig-zag layout (its reorder runs inside the region)
             order = np.array(_zigzag_order(n))
             c = q.shape[1] // (2 * n)
             qpos = kpos = qpos.reshape(2 * n, c)[order].reshape(-1)
-        out = jax.shard_map(
-            bodies[active],
-            mesh=mesh,
-            in_specs=(spec, spec, spec, pos_spec, pos_spec, *specs),
-            out_specs=spec,
-            check_vma=False,
-        )(q, k, v, qpos, kpos, *rest)
+        in_specs = (rspec, rspec, rspec, pos_spec, pos_spec, *specs)
+        if outer:
+            out = _nested(bodies[active], rmesh, outer, in_specs, rspec)(q, k, v, qpos, kpos, *rest)
+        else:
+            out = jax.shard_map(
+                bodies[active], mesh=rmesh, in_specs=in_specs, out_specs=rspec, check_vma=False
+            )(q, k, v, qpos, kpos, *rest)
         return jax.lax.with_sharding_constraint(out, laid)
 
     return fwd

@@ -47,20 +47,32 @@ from torchacc.pipeline.stages import resolve_split_points
 __all__ = ["PipelineModule", "pipeline_parallel", "resolve_split_points", "schedule_name"]
 
 
-def pipeline_parallel(model, mesh, split_points, num_micro_batches=1, schedule="1f1b", axis="pp"):
+def pipeline_parallel(
+    model,
+    mesh,
+    split_points,
+    num_micro_batches=1,
+    schedule="1f1b",
+    axis="pp",
+    scan_layers=False,
+    sp_algorithm="auto",
+):
     """``model`` (on the CPU) cut before each of ``split_points`` (module names or modules) into
     ``len(split_points) + 1`` stages on ``axis`` of ``mesh`` (a jax Mesh; its ``dp`` / ``fsdp``
     axes split the batch, ``fsdp`` the parameters too). Returns a :class:`PipelineModule`:
     ``forward_backward(*inputs, output_fn=..., **kwargs)`` returns the loss and accumulates
-    gradients. ``schedule``: ``"1F1B"`` (TorchAcc's PipeDreamFlush) or ``"GPipe"``. What the
-    launcher calls for ``--pp``."""
+    gradients. ``schedule``: ``"1F1B"`` (TorchAcc's PipeDreamFlush) or ``"GPipe"``. A ``tp``
+    axis (Megatron pairs), an ``sp`` axis (context parallel, ``sp_algorithm``) or
+    ``scan_layers`` run uniform stages: each stage's blocks one scan (Note [Uniform pipeline
+    stages] in uniform.py). What the launcher calls for ``--pp``."""
     size = int(dict(mesh.shape)[axis]) if mesh is not None else len(split_points or []) + 1
-    return PipelineModule(
-        model,
-        size,
-        split_points,
-        num_micro_batches=num_micro_batches,
-        schedule=schedule,
-        mesh=mesh,
-        axis=axis,
-    )
+    shape = dict(mesh.shape) if mesh is not None else {}
+    tp, sp = int(shape.get("tp", 1)), int(shape.get("sp", 1))
+    kw = dict(num_micro_batches=num_micro_batches, schedule=schedule, mesh=mesh, axis=axis)
+    if tp > 1 or sp > 1 or scan_layers:
+        from torchacc.pipeline.uniform import UniformPipelineModule
+
+        return UniformPipelineModule(
+            model, size, split_points, tp=tp, sp=sp, sp_algorithm=sp_algorithm, **kw
+        )
+    return PipelineModule(model, size, split_points, **kw)

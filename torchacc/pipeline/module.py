@@ -80,9 +80,10 @@ class PipelineModule(torch.nn.Module):
             raise ValueError(f"pipeline parallel: num_micro_batches={num_micro_batches} < 1")
         sched = schedule_name(schedule)
         names = stages.resolve_split_points(model, split_points, size)
-        split = stages.Stages(model, names)  # ValueError before anything changes
+        self.num_stages = size
+        split = self._cut(model, names)  # ValueError before anything changes
         object.__setattr__(self, "_underlay", model)
-        self._split, self.num_stages, self.num_micro_batches = split, size, num_micro_batches
+        self._split, self.num_micro_batches = split, num_micro_batches
         self.schedule, self.split_points, self.axis = sched, names, axis
         self._mesh, self._fsdp, self._topology, self._dp = mesh, fsdp, tuple(topology), dp
         if mesh is not None:
@@ -92,6 +93,10 @@ class PipelineModule(torch.nn.Module):
         self._pack(model)
         self._steps: dict = {}
         self._placed = False
+
+    def _cut(self, model, names):
+        """The model cut into stages (stages.Stages; uniform.Chain overrides)."""
+        return stages.Stages(model, names)
 
     # -----------------------------------------------------------------------------------------
     # parameters
@@ -461,8 +466,13 @@ class PipelineModule(torch.nn.Module):
             param_axis=param,
         )
         self.plan = plan
+        return self._finish(plan, named, shared, consts, train, rng)
+
+    def _finish(self, plan, named, shared, consts, train, rng):
+        """The recorded call running ``plan``'s step on the packed parameters, the shared ones,
+        the buffers and the batch."""
         step = schedules.make_step(plan)
-        n_p, n_s, n_c = len(self._groups), len(shared), len(consts)
+        n_p, n_s, n_c = len(self._packed()), len(shared), len(consts)
 
         def run(*arrays, rng=None):
             packed = list(arrays[:n_p])

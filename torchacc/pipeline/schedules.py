@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 SCHEDULES = ("1f1b", "gpipe", "forward")  # "forward": the loss only, no gradients
@@ -45,6 +46,10 @@ class Plan:
     remat: bool = False
     batch_axes: tuple = ()
     param_axis: str | None = None  # a mesh axis the packed groups are also split on (fsdp)
+    # uniform stages (uniform.py): ``runner(plan) -> (run, buffers)`` replaces the lax.switch
+    # runner and the flat buffers; ``seq_axis``: the automatic axis the batch's dim 1 lies on
+    runner: object = None
+    seq_axis: str | None = None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -52,6 +57,8 @@ class Plan:
 
 
 def _buffer_dtypes(plan):
+    """Per boundary buffer ``(dtype, shape)``: one flat buffer per dtype, as wide as the widest
+    boundary's tensors of that dtype."""
     sizes = {}
     for bnd in plan.boundaries:
         per = {}
@@ -59,7 +66,7 @@ def _buffer_dtypes(plan):
             per[dtype] = per.get(dtype, 0) + math.prod(shape)
         for d, n in per.items():
             sizes[d] = max(sizes.get(d, 0), n)
-    return tuple(sorted(sizes.items(), key=lambda kv: str(kv[0])))
+    return tuple((d, (w,)) for d, w in sorted(sizes.items(), key=lambda kv: str(kv[0])))
 
 
 def _pack(bnd, values, buf_dtypes):
@@ -67,7 +74,7 @@ def _pack(bnd, values, buf_dtypes):
     for d, width in buf_dtypes:
         parts = [v.reshape(-1) for (s, dt), v in zip(bnd, values) if dt == d]
         n = sum(p.shape[0] for p in parts)
-        parts.append(jnp.zeros((width - n,), d))
+        parts.append(jnp.zeros((width[0] - n,), d))
         out.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
     return out
 
@@ -84,7 +91,7 @@ def _unpack(bnd, bufs, buf_dtypes):
 
 
 def _zero_bufs(buf_dtypes):
-    return [jnp.zeros((w,), d) for d, w in buf_dtypes]
+    return [jnp.zeros(w, d) for d, w in buf_dtypes]
 
 
 def _manual(plan):
@@ -234,7 +241,7 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
 
             _, pull = jax.vjp(f, local, shared, [x_in[i] for i in floats])
             seed = jnp.where(bvalid & (s == last), scale, 0.0).astype(jnp.float32)
-            out_cot = [jnp.zeros((w,), d) for d, w in buf_dtypes]
+            out_cot = [jnp.zeros(w, d) for d, w in buf_dtypes]
             for i, b in zip(floats, bbufs):
                 out_cot[i] = jnp.where(bvalid, b, jnp.zeros_like(b))
             cot = _varying((out_cot, seed), axes)
@@ -249,7 +256,7 @@ def _one_f_one_b(plan, run, buf_dtypes, scale):
             (
                 zeros,
                 [zeros[i] for i in floats],
-                [jnp.zeros((K, w), d) for d, w in buf_dtypes],
+                [jnp.zeros((K, *w), d) for d, w in buf_dtypes],
                 [jnp.zeros_like(x) for x in local],
                 [jnp.zeros_like(x) for x in shared],
                 jnp.zeros((), jnp.float32),
@@ -276,8 +283,11 @@ def make_step(plan):
     inside a stage's branch: the stages' devices take different branches."""
     if plan.schedule not in SCHEDULES:
         raise ValueError(f"pipeline schedule must be one of {SCHEDULES}, got {plan.schedule!r}")
-    buf_dtypes = _buffer_dtypes(plan)
-    run = _stage_runner(plan, buf_dtypes)
+    if plan.runner is not None:
+        run, buf_dtypes = plan.runner(plan)
+    else:
+        buf_dtypes = _buffer_dtypes(plan)
+        run = _stage_runner(plan, buf_dtypes)
     mesh, axis, M = plan.mesh, plan.axis, plan.n_micro
     batch = tuple(plan.batch_axes)
     fsdp = plan.param_axis
@@ -291,7 +301,18 @@ def make_step(plan):
         return [P(None, bspec) for _ in data]
 
     def micro_batches(data):
-        return [d.reshape(M, d.shape[0] // M, *d.shape[1:]) for d in data]
+        out = [d.reshape(M, d.shape[0] // M, *d.shape[1:]) for d in data]
+        if plan.seq_axis:  # the sequence (dim 1 of the batch) stays split on its axis
+            n = mesh.shape[plan.seq_axis]
+            out = [
+                jax.lax.with_sharding_constraint(
+                    d, NamedSharding(mesh, P(None, bspec, plan.seq_axis))
+                )
+                if d.ndim >= 3 and d.shape[2] % n == 0
+                else d
+                for d in out
+            ]
+        return out
 
     def gather(packed):  # this device's stage row, whole
         rows = [x[0] for x in packed]
