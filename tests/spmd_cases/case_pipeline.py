@@ -376,3 +376,12 @@ def test_uniform_stages_bad_input_is_one_value_error_naming_the_sizes():
     ref5, model5 = _gpt(layers=5, heads=2, d=16)
     with pytest.raises(ValueError, match=r"pp.size=2 does not divide the 5 Block blocks"):
         pipeline_parallel(model5, tp, ["h.2"], 2)
+    # ta.accelerate with dist.pp x dist.tp: the uniform stages on a (dp, pp, sp, tp) mesh
+    from torchacc.pipeline.uniform import UniformPipelineModule
+
+    config = ta.Config()
+    config.dist.pp.size = config.dist.tp.size = 2
+    config.dist.pp.split_points = ["h.2"]
+    pm = ta.accelerate(model, config=config)
+    assert isinstance(pm, UniformPipelineModule)
+    assert dict(pm.mesh().shape) == {"dp": 1, "pp": 2, "sp": 1, "tp": 2}

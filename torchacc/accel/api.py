@@ -37,7 +37,8 @@ Order of work (everything is checked before anything happens):
    (``_lazy_sharded``; a tp size that does not divide the heads or the hidden size is a
    ValueError before anything changes);
    With ``dist.pp.size > 1`` (backend ``'lazy'``) the model is cut into stages on the ``pp``
-   axis of a (dp, fsdp, pp) mesh instead (torchacc/pipeline/): the returned model trains with
+   axis of a (dp, fsdp, pp) mesh instead (torchacc/pipeline/), or with tp / sp of a (dp, pp,
+   sp, tp) mesh (uniform stages, torchacc/pipeline/uniform.py): the returned model trains with
    ``model.forward_backward(...)``; gc and bf16/fp16 apply to its stages;
 7. the dataloader becomes an ``AsyncLoader`` with the config's bucketing; on the sharded lazy
    path its batches are split over (dp, fsdp) as they are uploaded, and under torchrun each
@@ -74,10 +75,11 @@ def _world_size():
 
 def _refuse_unsupported(config, sizes):
     dp, fsdp, tp, pp, sp = sizes
-    if pp > 1 and (not config.is_lazy_backend() or tp > 1 or sp > 1):
+    if pp > 1 and (not config.is_lazy_backend() or ((tp > 1 or sp > 1) and fsdp > 1)):
         raise NotImplementedError(
             f"Config.dist.pp.size = {pp}: pipeline parallelism runs on backend 'lazy' with dp "
-            f"and fsdp (got backend {config.backend!r}, tp.size {tp}, sp.size {sp})"
+            f"and fsdp, or with dp, tp and sp (got backend {config.backend!r}, fsdp.size {fsdp}, "
+            f"tp.size {tp}, sp.size {sp})"
         )
     if config.is_lazy_backend():
         return  # fsdp / tp / sp: a (dp, fsdp, sp, tp) mesh of the SPMD engine (_lazy_sharded)
@@ -305,12 +307,9 @@ def _pipeline(model, dataloader, config, sizes, dtype):
     from torchacc.lazy.device import device
     from torchacc.pipeline import PipelineModule
 
-    dp, fsdp, _, pp, _ = sizes
+    dp, fsdp, tp, pp, sp = sizes
     dist = config.dist
-    model = PipelineModule(
-        model,
-        pp,
-        dist.pp.split_points,
+    kw = dict(
         num_micro_batches=dist.pp.num_micro_batches,
         schedule=dist.pp.schedule,
         fsdp=fsdp,
@@ -318,6 +317,14 @@ def _pipeline(model, dataloader, config, sizes, dtype):
         dp=dp,
         autocast=dtype,
     )
+    if tp > 1 or sp > 1:  # uniform stages running tp / sp inside (torchacc/pipeline/uniform.py)
+        from torchacc.pipeline.uniform import UniformPipelineModule
+
+        model = UniformPipelineModule(
+            model, pp, dist.pp.split_points, tp=tp, sp=sp, sp_algorithm=dist.sp.algorithm, **kw
+        )
+    else:
+        model = PipelineModule(model, pp, dist.pp.split_points, **kw)
     if config.memory.gc:
         apply_gc(model._underlay, config.memory.gc_cls, config.memory.gc_cnt, lazy=True)
     dev = device()
