@@ -320,8 +320,9 @@ def test_pp_by_tp_gpt_shaped_equals_eager_no_recompile_one_stage_slice_per_devic
     """fsdp x tp x pp x cp = 1 x 2 x 2 x 1: a GPT-2-shaped model of 4 gallery Blocks, 2 per
     stage as one scan, Megatron pairs split over tp inside each stage (1F1B, 2 micro-batches):
     3 SGD steps equal eager (loss, every gradient, the updates) within 1e-5 fp32, nothing
-    compiles after step 2, and each device holds 1/(pp x tp) of the blocks' parameters (+ the
-    LayerNorms and row biases whole on tp) while the prologue / epilogue stay replicated."""
+    compiles after step 2, and each device holds 1/(pp x tp) + 10% of the parameters and
+    gradients (the blocks' split over pp and Megatron's tp, the prologue's and epilogue's split
+    over pp x tp on dim 0)."""
     from torchacc.pipeline.uniform import UniformPipelineModule
 
     ref, model = _gpt()
@@ -343,6 +344,11 @@ def test_pp_by_tp_gpt_shaped_equals_eager_no_recompile_one_stage_slice_per_devic
     per = api.per_device_bytes(pm._packed())
     assert len(per) == 4 and max(per.values()) <= blocks / 4 * 1.1, (per, blocks)
     assert pm.param_bytes_per_stage() == max(per.values())
+    total = sum(p.numel() * 4 for p in ref.parameters())
+    per = api.per_device_bytes(list(pm.parameters()))  # prologue / epilogue split over pp x tp
+    assert max(per.values()) <= total / 4 * 1.1, (per, total)
+    grads = api.per_device_bytes([p.grad for p in pm.parameters()])
+    assert max(grads.values()) <= total / 4 * 1.1, grads
 
 
 def test_pp_by_sp_gpt_shaped_equals_eager():

@@ -473,6 +473,7 @@ class PipelineModule(torch.nn.Module):
         the buffers and the batch."""
         step = schedules.make_step(plan)
         n_p, n_s, n_c = len(self._packed()), len(shared), len(consts)
+        laid = self._grad_shardings()
 
         def run(*arrays, rng=None):
             packed = list(arrays[:n_p])
@@ -482,6 +483,8 @@ class PipelineModule(torch.nn.Module):
             if not train:
                 return (step(packed, sh, cs, data, rng),)
             loss, gp, gs = step(packed, sh, cs, data, rng)
+            if laid is not None:  # the shared parameters' gradients in their own layout
+                gs = [jax.lax.with_sharding_constraint(g, s) for g, s in zip(gs, laid)]
             return (loss, *gp, *gs)
 
         run.__name__ = f"pipeline_{self.schedule if train else 'forward'}"
@@ -496,6 +499,10 @@ class PipelineModule(torch.nn.Module):
         precision = jax.config.jax_default_matmul_precision
         call = ops.JaxCall(run, treedef, range(len(specs)), {}, precision, out_meta, out_tree)
         return call, rng
+
+    def _grad_shardings(self):
+        """Shardings of the shared parameters' gradients (None: as the step gives them)."""
+        return None
 
     def _dtype_of(self, g):
         return self._groups[g][0]

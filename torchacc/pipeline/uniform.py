@@ -17,11 +17,13 @@ Note [Uniform pipeline stages]
     stage 0 only (``where``), then its own ``L / pp`` blocks as a ``lax.scan`` over their
     stacked parameters, then the epilogue (norm, head, loss), whose loss counts on the last
     stage only. Pipeline time is unchanged (the ticks are in lock step: a tick lasts the slowest
-    stage's time anyway) but prologue and epilogue parameters live on every pp device.
+    stage's time anyway) but every pp device gathers the prologue and epilogue parameters.
 
     Parameters: each block parameter is one ``[pp, L / pp, *shape]`` tensor split over ``pp``
     and, for Megatron's column / row pairs (torchacc/sharding/recipes.py), over ``tp`` on its
-    feature dim; prologue / epilogue parameters are replicated over pp (and whole on tp). The
+    feature dim; prologue / epilogue parameters are stored split over pp x tp on dim 0 (whole
+    where it does not divide), taken whole by the step's region (an all-gather at its
+    boundary) and computed on every device. The
     stage region is manual over pp and the batch axes; tp and sp stay automatic (XLA's
     partitioner) and cp's attention region nests inside it (Note [Nested regions] in
     torchacc/context_parallel/regions.py). The boundary is the block's activation itself (not a
@@ -296,9 +298,27 @@ class UniformPipelineModule(PipelineModule):
         for i, p in enumerate(self._packed()):
             spec = self._spec_of(i) or (None,) * (p.dim() - 2)
             api.mark(p, api.named_sharding(mesh, (self.axis, None, *spec), tuple(p.shape), "pp"))
-        for t in [*self._shared(), *self._consts()]:
+        for t in self._shared():
+            spec = self._shared_spec(t)
+            api.mark(t, api.named_sharding(mesh, spec, tuple(t.shape), "pipeline"))
+        for t in self._consts():
             api.mark(t, api.named_sharding(mesh, (None,) * t.dim(), tuple(t.shape), "pipeline"))
         self._placed = True
+
+    def _shared_spec(self, t):
+        """Prologue / epilogue parameters are stored split over pp (and tp) on dim 0 when it
+        divides (whole otherwise); the step's region takes them whole (an all-gather at its
+        boundary, like fsdp's) and its gradients come back split the same way."""
+        shape = dict(self.mesh().shape)
+        axes = tuple(a for a in (self.axis, "tp") if shape.get(a, 1) > 1)
+        n = math.prod(shape[a] for a in axes)
+        if t.dim() == 0 or not axes or t.shape[0] % n:
+            return (None,) * t.dim()
+        return ((axes if len(axes) > 1 else axes[0]), *([None] * (t.dim() - 1)))
+
+    def _grad_shardings(self):
+        mesh = self.mesh()
+        return [NamedSharding(mesh, P(*self._shared_spec(t))) for t in self._shared()]
 
     def param_bytes_per_stage(self):
         """Bytes of the stacked block parameters one device holds (its stage's, its tp
