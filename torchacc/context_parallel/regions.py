@@ -177,7 +177,10 @@ def _body(a2a, ring, n_ring, scale, causal, extras):
 #   on the abstract mesh of its context, manual over its own axes (cp, the heads' tp) only, and
 #   its specs leave out the outer region's axes (the arrays there are that device's already).
 #   Its types are checked (check_vma) so that the outer region's autodiff sees which values
-#   vary over its axes. At top level (no outer region) nothing changes.
+#   vary over its axes, and its backward is its own nested region (a custom VJP recomputing the
+#   forward) so that no residual crosses its boundary. Still refused by the partitioner (jax
+#   0.10): JAX's autodiff of a scan whose body holds it (the stacked residuals' shardings name
+#   the outer manual axes after the region's own). At top level nothing changes.
 
 
 def _outer_manual():
@@ -328,14 +331,8 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
         # inputs, results (and so the gradients) stay split on the sequence outside the region
         q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
         rest = list(rest)
-        specs, active = (
-            ([keep(s) for s in extra_specs if s is not None], extras)
-            if rest
-            else (
-                [],
-                (),
-            )
-        )
+        active = extras if rest else ()
+        specs = [keep(s) for s in extra_specs if s is not None] if rest else []
         if "mask" in active:
             mask = rest[-1]
             specs.append(keep(P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)))
