@@ -69,6 +69,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", default="2,4,8", help="total blocks (pp=2: half per stage)")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--modes", default="switch,scan", help="switch (unrolled) and/or scan")
     ap.add_argument("--one", default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:
@@ -77,7 +78,7 @@ def main():
         return
     env = dict(os.environ, CPU_NUM_DEVICES="2", JAX_PLATFORMS="cpu")
     for layers in [int(v) for v in a.layers.split(",")]:
-        for scan in (0, 1):
+        for scan in [{"switch": 0, "scan": 1}[m] for m in a.modes.split(",")]:
             cold = []
             for _ in range(a.repeat):
                 out = subprocess.run(
