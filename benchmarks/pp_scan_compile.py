@@ -4,7 +4,7 @@ stage's blocks one ``lax.scan``; Note [Uniform pipeline stages] in torchacc/pipe
 
     PYTHONPATH=. python benchmarks/pp_scan_compile.py [--layers 2,4,8] [--repeat 3]
 
-Each (depth, mode) runs in a fresh process on 2 CPU devices (pp=2, 1F1B, 2 micro-batches, a
+Each (depth, mode) runs in a fresh process (TORCHACC_CACHE_DIR=off) on 2 CPU devices (pp=2, 1F1B, 2 micro-batches, a
 GPT-2-shaped model of gallery/gpt Blocks: n_embd 64, 4 heads); it prints the first
 forward_backward's wall time (trace + lower + compile + run) and the second's.
 """
@@ -76,7 +76,8 @@ def main():
         layers, scan = a.one.split(":")
         print(json.dumps(one(int(layers), scan == "1")))
         return
-    env = dict(os.environ, CPU_NUM_DEVICES="2", JAX_PLATFORMS="cpu")
+    # cold: no persistent compilation cache (each process compiles from scratch)
+    env = dict(os.environ, CPU_NUM_DEVICES="2", JAX_PLATFORMS="cpu", TORCHACC_CACHE_DIR="off")
     for layers in [int(v) for v in a.layers.split(",")]:
         for scan in [{"switch": 0, "scan": 1}[m] for m in a.modes.split(",")]:
             cold = []
