@@ -4,9 +4,10 @@ stage's blocks one ``lax.scan``; Note [Uniform pipeline stages] in torchacc/pipe
 
     PYTHONPATH=. python benchmarks/pp_scan_compile.py [--layers 2,4,8] [--repeat 3]
 
-Each (depth, mode) runs in a fresh process (TORCHACC_CACHE_DIR=off) on 2 CPU devices (pp=2, 1F1B, 2 micro-batches, a
-GPT-2-shaped model of gallery/gpt Blocks: n_embd 64, 4 heads); it prints the first
-forward_backward's wall time (trace + lower + compile + run) and the second's.
+Each (depth, mode) runs in a fresh process (TORCHACC_CACHE_DIR=off: no persistent compilation
+cache) on 2 CPU devices (pp=2, 1F1B, 2 micro-batches, a GPT-2-shaped model of gallery/gpt
+Blocks: n_embd 64, 4 heads); it prints the median of the first forward_backward's wall time
+(trace + lower + compile + run) over the repeats.
 """
 
 from __future__ import annotations
