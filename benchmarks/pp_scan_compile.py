@@ -6,8 +6,8 @@ stage's blocks one ``lax.scan``; Note [Uniform pipeline stages] in torchacc/pipe
 
 Each (depth, mode) runs in a fresh process (TORCHACC_CACHE_DIR=off: no persistent compilation
 cache) on 2 CPU devices (pp=2, 1F1B, 2 micro-batches, a GPT-2-shaped model of gallery/gpt
-Blocks: n_embd 64, 4 heads); it prints the median of the first forward_backward's wall time
-(trace + lower + compile + run) over the repeats.
+Blocks: n_embd 64, 4 heads); it prints the medians of the first forward_backward's wall time
+and process CPU time (trace + lower + compile + run) over the repeats.
 """
 
 from __future__ import annotations
@@ -56,14 +56,11 @@ def one(layers, scan):
     pm = pipeline_parallel(GPT(), mesh, [f"h.{layers // 2}"], 2, "1F1B", scan_layers=scan)
     pm.to(ta.device())
     x = torch.randint(0, V, (B, T)).to(ta.device())
-    times = []
-    for _ in range(2):
-        t0 = time.perf_counter()
-        loss = pm.forward_backward(x, labels=x, output_fn=loss_fn)
-        ta.sync()
-        float(loss)
-        times.append(time.perf_counter() - t0)
-    return times
+    t0, c0 = time.perf_counter(), time.process_time()
+    loss = pm.forward_backward(x, labels=x, output_fn=loss_fn)
+    ta.sync()
+    float(loss)
+    return [time.perf_counter() - t0, time.process_time() - c0]  # wall, CPU (all threads)
 
 
 def main():
@@ -81,7 +78,7 @@ def main():
     env = dict(os.environ, CPU_NUM_DEVICES="2", JAX_PLATFORMS="cpu", TORCHACC_CACHE_DIR="off")
     for layers in [int(v) for v in a.layers.split(",")]:
         for scan in [{"switch": 0, "scan": 1}[m] for m in a.modes.split(",")]:
-            cold = []
+            cold, cpu = [], []
             for _ in range(a.repeat):
                 out = subprocess.run(
                     [sys.executable, __file__, "--one", f"{layers}:{scan}"],
@@ -90,7 +87,9 @@ def main():
                     text=True,
                     check=True,
                 )
-                cold.append(json.loads(out.stdout.strip().splitlines()[-1])[0])
+                wall, secs = json.loads(out.stdout.strip().splitlines()[-1])
+                cold.append(wall)
+                cpu.append(secs)
             mode = "scan_layers (uniform)" if scan else "switch, unrolled"
             print(
                 f"layers={layers:3d} per stage={layers // 2:3d} {mode:22s} cold step "

@@ -1,7 +1,9 @@
 """Pipeline parallel on the one mesh: a model's stages on the ``pp`` axis, GPipe and 1F1B as one
 compiled step (``ta.dist.PipelineParallel`` is TorchAcc's front door to it, ``accelerate`` with
 ``Config.dist.pp.size > 1`` another). ``stages.py`` cuts the model (torch.fx), ``module.py`` owns
-the packed parameters and records the step, ``schedules.py`` is the JAX region.
+the packed parameters and records the step, ``schedules.py`` is the JAX region; ``uniform.py``
+the stages every device runs alike, for tp / sp inside a stage and scan_layers (Note [Uniform
+pipeline stages] there).
 
 Note [Pipeline stages on the pp axis]
     The model's forward is traced once with torch.fx (split-point modules kept whole) and cut
@@ -37,6 +39,10 @@ Note [Pipeline stages on the pp axis]
     draws from the step's RNG key folded with the micro-batch and the stage, the same in a
     backward's recompute. One node forward, gradients accumulated into ``.grad``: no recompile
     after the first step.
+
+    Stages that run collectives themselves (tp, sp) cannot be switch branches (a collective in
+    one branch deadlocks XLA:CPU while other devices run another): they are uniform stages,
+    Note [Uniform pipeline stages] in uniform.py.
 """
 
 from __future__ import annotations
