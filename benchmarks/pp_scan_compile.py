@@ -92,8 +92,9 @@ def main():
                 cpu.append(secs)
             mode = "scan_layers (uniform)" if scan else "switch, unrolled"
             print(
-                f"layers={layers:3d} per stage={layers // 2:3d} {mode:22s} cold step "
-                f"median {statistics.median(cold):.2f} s  (runs {[round(c, 2) for c in cold]})",
+                f"layers={layers:3d} per stage={layers // 2:3d} {mode:22s} cold step median "
+                f"{statistics.median(cold):.2f} s wall, {statistics.median(cpu):.2f} CPU-s "
+                f"(wall {[round(c, 1) for c in cold]}, CPU {[round(c, 1) for c in cpu]})",
                 flush=True,
             )
 
