@@ -15,10 +15,10 @@ pending graph (``torchacc.distributed.collectives``) and run by XLA at the next 
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
 coordination service. ``send``/``recv`` are one ppermute each, run at once as torch's blocking
-calls are (the peers' matching calls run the same op; with more than two processes, a program of
-the two peers alone); ``batch_isend_irecv`` records one collective_permute per permutation the
-ranks' lists form together (a ring: one). Rooted gather/scatter raise ``NotImplementedError``;
-so does any collective on a group smaller than the whole job.
+calls are (the peers' matching calls run the same op; with more than two processes, or in SPMD
+mode, a program of the two peers alone); ``batch_isend_irecv`` records one collective_permute per
+permutation the ranks' lists form together (a ring: one). Rooted gather/scatter raise
+``NotImplementedError``; so does any collective on a group smaller than the whole job.
 """
 
 from __future__ import annotations
