@@ -266,12 +266,12 @@ class ProcessGroupXla(dist.ProcessGroup):
         """``collective_permute(t, [(me, dst)])``, run at once; the peer's matching ``recv`` runs
         the same op (sends and receives pair up in the order each rank issues them)."""
         t, dst = self._p2p("send", tensors, dst)
-        collectives.send_recv(t, runtime.rank(), dst, "send")
+        point_to_point.send_recv(t, runtime.rank(), dst, "send")
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
         t, src = self._p2p("recv", tensors, src)
-        result = collectives.send_recv(t, src, runtime.rank(), "recv")
+        result = point_to_point.send_recv(t, src, runtime.rank(), "recv")
         with torch.no_grad():
             t.copy_(result)
         return _done(tensors)

@@ -425,16 +425,10 @@ def send_recv(value, source, target, name="send"):
     the receiver), run at once with just what it needs, so the sender's and the receiver's
     programs hold the same collective in the order they call. In a job of more than two processes
     the ppermute is a program over the two processes' devices alone (``manual.pair_permute``):
-    the others take no part; in SPMD mode always (Note [Send and receive in SPMD mode] in
-    sharding/point_to_point.py). The receiver's result."""
+    the others take no part (in SPMD mode ``point_to_point.send_recv`` takes a program of the
+    two peers instead, Note [Send and receive in SPMD mode]). The receiver's result."""
     if source == target:
         return value
-    from torchacc.sharding import mesh
-
-    if mesh.is_spmd() and world_size() > 1 and in_region() is None:
-        from torchacc.sharding import point_to_point  # (it imports this module)
-
-        return point_to_point.pair_send_recv(value, int(source), int(target), name)
     if world_size() > 2 and in_region() is None:  # a program of the two processes alone
         from torchacc.lazy.transfer import _array_of, _tensor_of
         from torchacc.sharding import manual

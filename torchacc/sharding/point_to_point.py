@@ -10,6 +10,7 @@ import itertools
 import torch
 
 from torchacc.runtime.processes import rank, world_size
+from torchacc.sharding import collectives
 from torchacc.sharding.collectives import _check_tensors, _write, collective_permute
 
 # Note [A batch of point-to-point ops]
@@ -146,6 +147,17 @@ _pair_programs: dict = {}  # (pair devices, block shape, dtype) -> jitted ppermu
 _pair_calls: dict = {}  # (source, target) -> how many transfers this process made between them
 
 
+def send_recv(value, source, target, name="send"):
+    """torch's blocking ``dist.send``/``recv`` of ``value`` from rank ``source`` to ``target``
+    (both peers call it): in SPMD mode a program of the two peers (``pair_send_recv``), else
+    ``collectives.send_recv``. The receiver's result."""
+    from torchacc.sharding import api
+
+    if source != target and api.is_spmd() and world_size() > 1 and collectives.in_region() is None:
+        return pair_send_recv(value, int(source), int(target), name)
+    return collectives.send_recv(value, source, target, name)
+
+
 def pair_send_recv(value, source, target, name="send"):
     """SPMD mode: torchacc tensor ``value`` of process ``source`` at process ``target`` (Note
     [Send and receive in SPMD mode]); the receiver's result is a new tensor laid out as
@@ -229,8 +241,7 @@ def _layout_text(array):
     devices = [d.id for d in m.devices.flat]
     spec = tuple(s.spec) + (None,) * (array.ndim - len(s.spec))  # ('x',) is ('x', None)
     return (
-        f"{tuple(array.shape)} {array.dtype} {spec} over mesh {dict(m.shape)} "
-        f"(devices {devices})"
+        f"{tuple(array.shape)} {array.dtype} {spec} over mesh {dict(m.shape)} (devices {devices})"
     )
 
 
