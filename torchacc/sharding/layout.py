@@ -21,8 +21,9 @@ whole (XLA cannot express the padded layout of Note [Padded shards] itself). Wha
 their parameter is the program, not their shape: the optimizer combines the gradient, the moments
 and the parameter elementwise into the parameter's update. So the program's values are grouped by
 elementwise derivation: two values are in one group when an elementwise op (``torch.Tag.
-pointwise``, a copy or cast, a ``_foreach_*`` op element by element, a fused optimizer's list
-update index by index) reads one and writes the other at the same shape. A new result takes:
+pointwise``, a copy or cast, a ``*_like`` factory, ``zero_``/``fill_``, a ``_foreach_*`` op
+element by element, a fused optimizer's list update index by index) reads one and writes the
+other at the same shape. A new result takes:
 
 1. the layout of the previous data of the state its group updates (the parameter an AdamW step
    overwrites, whatever layout the gradient argument came in: a gradient made by a backward-only
