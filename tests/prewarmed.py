@@ -13,10 +13,11 @@ those modules already being in ``sys.modules``:
   session (so a timeout kills it and everything it started, by process group);
 - torchacc is NOT pre-imported: it reads its environment (CPU_NUM_DEVICES, TORCHACC_*) at
   import, in the child. XLA reads XLA_FLAGS when the child creates its backend, so each run's
-  device count holds (the server never starts a JAX backend);
+  device count holds (the server never starts a JAX backend). The child's PYTHONPATH entries
+  go first on its ``sys.path``;
 - a run whose environment differs from the server's in a variable that torch or JAX read at
-  import (``JAX_*``, ``TORCH_*``, ``OMP_*``, ``PYTHONPATH``, ...; ``_import_env``) gets a
-  plain fresh process instead;
+  import (``JAX_*``, ``TORCH_*``, ``OMP_*``, ...; ``_import_env``) gets a plain fresh process
+  instead, and so does a command line with other interpreter options (``-W``, ``-u``);
 - at exit the child runs its ``atexit`` functions and flushes, then leaves with ``os._exit``.
 
 Used only where a fresh interpreter is not what the test is about: launcher and torchrun jobs
@@ -33,7 +34,7 @@ import select
 import signal
 import subprocess
 import sys
-import time
+import tempfile
 
 # read while torch / JAX / numpy import (TORCHACC_* is read by torchacc, in the child)
 _IMPORT_PREFIXES = (
@@ -51,9 +52,10 @@ _IMPORT_PREFIXES = (
     "OPENBLAS_",
     "LD_",
 )
-_IMPORT_NAMES = ("PYTHONPATH", "PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE")
+# (PYTHONPATH is not one: the child puts its own entries first on sys.path)
+_IMPORT_NAMES = ("PYTHONHASHSEED", "PYTHONWARNINGS", "PYTHONDONTWRITEBYTECODE", "PYTHONSAFEPATH")
 _PRELOAD = ("torch", "torch.distributed.tensor", "jax", "jax.numpy", "numpy", "pytest")
-_server: list = []
+_servers: dict = {}
 
 
 def _import_env(env: dict) -> dict:
@@ -77,42 +79,57 @@ def _start(env: dict):
     if proc.stdout.readline().strip() != b"ready":
         proc.kill()
         raise RuntimeError("tests/prewarmed.py: the server did not start")
-    return proc, _import_env(env)
+    return proc
+
+
+MAX_SERVERS = 3  # one per import environment seen (docs, case files, launcher-style OMP=1)
 
 
 def _stop() -> None:
-    """Close the server's requests (it exits) and reap it (its CPU counts as this process's)."""
-    for proc, _ in _server:
+    """Close the servers' requests (they exit) and reap them (their CPU counts as this
+    process's)."""
+    for proc in _servers.values():
         proc.stdin.close()
         try:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             proc.kill()
-    _server.clear()
+    _servers.clear()
 
 
 def _server_for(env: dict):
-    if _server and (_server[0][0].poll() is not None or _server[0][1] != _import_env(env)):
-        if _server[0][1] != _import_env(env):
-            return None  # another import environment: a fresh process
-        _server.clear()  # it died: start another
-    if not _server:
-        _server.append(_start(env))
-        atexit.register(_stop)
-    return _server[0][0]
+    key = tuple(sorted(_import_env(env).items()))
+    proc = _servers.get(key)
+    if proc is not None and proc.poll() is not None:
+        del _servers[key]  # it died: start another
+        proc = None
+    if proc is None:
+        if len(_servers) >= MAX_SERVERS:
+            return None
+        if not _servers:
+            atexit.register(_stop)
+        proc = _servers[key] = _start(env)
+    return proc
 
 
-def run(argv: list[str], env: dict, cwd: str, timeout: float) -> subprocess.CompletedProcess:
-    """``python *argv`` (a script path or ``-m module``, then its arguments) with ``env`` in
-    ``cwd``; stdout/stderr captured as text. On timeout the run's whole session is killed and
-    ``subprocess.TimeoutExpired`` raised, as ``subprocess.run`` would."""
+def run(
+    argv: list[str], env: dict | None = None, cwd: str | None = None, timeout: float | None = None
+) -> subprocess.CompletedProcess:
+    """``python *argv`` (a script path, ``-m module`` or ``-c code``, then its arguments) with
+    ``env`` (default: this process's) in ``cwd``; stdout/stderr captured as text, like
+    ``subprocess.run(..., capture_output=True, text=True)``. On timeout the run's whole session
+    is killed and ``subprocess.TimeoutExpired`` raised. Interpreter options other than ``-m`` /
+    ``-c`` (``-W``, ``-u``, ...) run in a fresh process."""
+    env = dict(os.environ) if env is None else env
+    cwd = os.getcwd() if cwd is None else str(cwd)
     cmd = [sys.executable, *argv]
-    server = _server_for(env) if enabled() else None
+    forkable = argv[0] in ("-m", "-c") or not argv[0].startswith("-")
+    server = _server_for(env) if enabled() and forkable else None
     if server is None:
         return _fresh(cmd, env, cwd, timeout)
-    stamp = f"{os.getpid()}-{time.monotonic_ns()}"
-    out_path = os.path.join(cwd, f".prewarmed-{stamp}.out")
-    err_path = os.path.join(cwd, f".prewarmed-{stamp}.err")
+    fd, out_path = tempfile.mkstemp(prefix="prewarmed-", suffix=".out")
+    os.close(fd)
+    err_path = out_path[: -len(".out")] + ".err"
     request = {"argv": argv, "env": env, "cwd": cwd, "out": out_path, "err": err_path}
     server.stdin.write((json.dumps(request) + "\n").encode())
     pid = int(server.stdout.readline())
@@ -228,7 +245,17 @@ def _exit_code(value) -> int:
 def _main(argv: list[str]) -> int:
     import runpy
 
-    if argv[0] == "-m":
+    sys.orig_argv = [sys.executable, *argv]  # what a fresh interpreter would have been given
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    sys.path[1:1] = [os.path.abspath(p) for p in paths]  # as a fresh interpreter orders them
+
+    if argv[0] == "-c":
+        sys.argv = ["-c", *argv[2:]]
+        sys.path[0] = ""
+        main = type(sys)("__main__")
+        sys.modules["__main__"] = main
+        exec(compile(argv[1], "<string>", "exec"), main.__dict__)
+    elif argv[0] == "-m":
         sys.argv = [argv[1], *argv[2:]]
         sys.path[0] = os.getcwd()
         runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
