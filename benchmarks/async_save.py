@@ -81,6 +81,12 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sync", action="store_true", help="blocking saves, for comparison")
     p.add_argument("--dir", default=None)
+    p.add_argument(
+        "--writer-nice",
+        type=int,
+        default=None,
+        help="CheckpointManager's writer_nice (default: its default; 0: the training's priority)",
+    )
     args = p.parse_args(argv)
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("n_embd", args.n_embd)) if v}
     if "n_embd" in overrides:
@@ -93,7 +99,8 @@ def main(argv=None):
     opt = prime_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     vocab = model.config.vocab_size
     directory = args.dir or tempfile.mkdtemp(prefix="async_save_")
-    mgr = CheckpointManager(directory, save_interval=args.save_every, max_to_keep=1)
+    nice = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
+    mgr = CheckpointManager(directory, save_interval=args.save_every, max_to_keep=1, **nice)
     shard_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     shard_bytes += sum(
         v.numel() * v.element_size()
@@ -180,6 +187,7 @@ def main(argv=None):
         "batch": args.batch,
         "seq": args.seq,
         "mode": "save" if args.sync else "save_async",
+        "writer_nice": mgr.writer_nice,
         "normal_step_s": round(normal, 4),
         "steps_during_saves": len(during),
         "during_save_median_s": round(statistics.median(during), 4) if during else None,
