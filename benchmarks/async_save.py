@@ -16,7 +16,9 @@ device it includes the on-device copy, Note [Asynchronous saves] in
 torchacc/distributed/checkpoint.py), and where the CPU went: the process's CPU seconds per normal
 step and per step during a save (all threads), the writer thread's CPU seconds per save, the
 ``save_async`` call's own time on the training thread. ``--sync`` measures ``save`` (the
-blocking one) instead, for comparison.
+blocking one) instead, for comparison; ``--writer-nice N`` sets ``CheckpointManager``'s
+``writer_nice`` (0: the writer at the training's priority); ``--no-crc32`` turns off torch.save's
+zip CRC-32s for the whole process.
 """
 
 from __future__ import annotations
@@ -87,7 +89,17 @@ def main(argv=None):
         default=None,
         help="CheckpointManager's writer_nice (default: its default; 0: the training's priority)",
     )
+    p.add_argument(
+        "--no-crc32",
+        action="store_true",
+        help="torch.save without zip CRC-32s (torch.utils.serialization.config.save."
+        "compute_crc32 = False, process-wide: torch.load does not check them)",
+    )
     args = p.parse_args(argv)
+    if args.no_crc32:
+        import torch.utils.serialization.config as serialization
+
+        serialization.save.compute_crc32 = False
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("n_embd", args.n_embd)) if v}
     if "n_embd" in overrides:
         overrides["n_head"] = max(1, overrides["n_embd"] // 64)
@@ -188,6 +200,7 @@ def main(argv=None):
         "seq": args.seq,
         "mode": "save" if args.sync else "save_async",
         "writer_nice": mgr.writer_nice,
+        "crc32": not args.no_crc32,
         "normal_step_s": round(normal, 4),
         "steps_during_saves": len(during),
         "during_save_median_s": round(statistics.median(during), 4) if during else None,
