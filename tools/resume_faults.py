@@ -199,7 +199,8 @@ def _layout(procs, devices):
 def check_resume(ref, layout, ckpt, log, steps, complete, incomplete, same, gap, timeout, fsdp):
     """Resume the job of ``ckpt`` (its complete checkpoints' steps, its incomplete saves) on
     ``layout`` and check it against ``ref``, the saving layout's uninterrupted run (exact when
-    ``same``, else losses 1e-6 relative and weights within 2x ``gap``): (problems, wall s)."""
+    ``same``, else losses 1e-6 relative and weights within 2x ``gap``): (problems, wall s,
+    (the largest loss relative error, the final weights' largest difference))."""
     procs, devices = layout
     devices = devices if fsdp else None
     t = time.time()
@@ -218,7 +219,9 @@ def check_resume(ref, layout, ckpt, log, steps, complete, incomplete, same, gap,
         problems.append(f"{what}: does not name the incomplete saves {incomplete} it skipped")
     got = steps_of(log, procs)
     problems += compare(ref[0], got, start_step + 1, steps, same, what)
+    rel = [abs(got[s][0] - ref[0][s][0]) / abs(ref[0][s][0]) for s in got if s > start_step]
     w = torch.load(f"{log}.weights.pt") if os.path.exists(f"{log}.weights.pt") else None
+    d = float("nan")
     if w is None:
         problems.append(f"{what}: no final weights")
     else:
@@ -230,7 +233,7 @@ def check_resume(ref, layout, ckpt, log, steps, complete, incomplete, same, gap,
                 f"{what}: final weights {d:.2e} from the saving layout's, 2x the layouts' gap "
                 f"is {2 * gap:.2e}"
             )
-    return problems, wall
+    return problems, wall, (max(rel, default=0.0), d)
 
 
 def main(argv=None):
@@ -302,15 +305,16 @@ def main(argv=None):
             shutil.copytree(ck, ck_other, symlinks=True)
         names = os.listdir(ck) if os.path.isdir(ck) else []
         incomplete = sorted(n for n in names if n.startswith(".tmp-"))
-        walls = []
+        walls, gaps_seen = [], []
         for layout, ckpt, suffix in ((saved, ck, ".same"), (other, ck_other, ".other")):
             same = layout == saved
-            bad, wall = check_resume(
+            bad, wall, (rel, d) = check_resume(
                 refs[saved], layout, ckpt, log + suffix, args.steps, complete, incomplete, same,
                 gaps.get(layout, 0.0), args.timeout, fsdp,
             )  # fmt: skip
             problems += bad
             walls.append(f"{wall:.0f}")
+            gaps_seen.append(f"losses {rel:.1e}, weights {d:.1e}")
         desc += (
             f": resumed from step {newest}" if complete else ": no complete checkpoint, from step 0"
         )
@@ -318,7 +322,8 @@ def main(argv=None):
         desc += f" on {_layout(*saved)} and {_layout(*other)}"
         gone_s = f"; all gone {gone:.1f} s after the kill" if gone is not None else ""
         failures += bool(problems)
-        line = f"trial {trial}: {desc}{gone_s}; resumes {'/'.join(walls)} s: "
+        line = f"trial {trial}: {desc}{gone_s}; resumes {'/'.join(walls)} s"
+        line += f" ({'; '.join(gaps_seen)} from the {_layout(*saved)} run's): "
         line += "ok" if not problems else "FAIL"
         print(line + "".join(f"\n    {x}" for x in problems), flush=True)
         if not args.keep:
