@@ -328,7 +328,7 @@ def test_manager_arguments_and_incomplete_directories(tmp_path):
         CheckpointManager(str(tmp_path), 0)
     with pytest.raises(ValueError, match="max_to_keep must be >= 0, got -1"):
         CheckpointManager(str(tmp_path), 1, max_to_keep=-1)
-    with pytest.raises(ValueError, match="writer_nice must be an int in 0..19, got -1"):
+    with pytest.raises(ValueError, match="writer_nice must be in 0..19, got -1"):
         CheckpointManager(str(tmp_path), 1, writer_nice=-1)
     with pytest.raises(NotImplementedError, match="preemption"):
         CheckpointManager(str(tmp_path), 1, chkpt_on_preemption=True)

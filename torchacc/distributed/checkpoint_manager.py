@@ -38,7 +38,6 @@ import json
 import logging
 import os
 import shutil
-import sys
 import threading
 import time
 import warnings
@@ -169,11 +168,9 @@ class CheckpointManager:
 
     ``process_group``: the group DCP coordinates through (default: the default group when
     ``torch.distributed`` is initialized; a single process needs none). ``max_pending_async``
-    bounds the asynchronous saves in flight. ``writer_nice``: how much lower than the training
-    thread's the priority of the asynchronous saves' writer thread is (a niceness increment,
-    Linux; 0 keeps it equal), Note [Asynchronous saves] in checkpoint.py.
-    ``chkpt_on_preemption`` (torch_xla's preemption sync through its coordinator) is not
-    supported: passing True raises.
+    bounds the asynchronous saves in flight; their writer thread runs ``writer_nice`` below the
+    training's priority (Note [Asynchronous saves] in checkpoint.py; 0: the same).
+    ``chkpt_on_preemption`` (torch_xla's preemption sync) is not supported: passing True raises.
     """
 
     def __init__(
@@ -199,7 +196,7 @@ class CheckpointManager:
             )
         if not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
             raise ValueError(
-                f"CheckpointManager: writer_nice must be an int in 0..19, got {writer_nice!r}"
+                f"CheckpointManager: writer_nice must be in 0..19, got {writer_nice!r}"
             )
         if chkpt_on_preemption:
             raise NotImplementedError(
@@ -213,7 +210,8 @@ class CheckpointManager:
         self.chkpt_on_preemption = False
         self.pg = process_group
         self.writer_nice = writer_nice
-        self._pool = ThreadPoolExecutor(max_workers=1, initializer=self._lower_writer_priority)
+        nice = writer_nice if os.uname().sysname == "Linux" else 0  # elsewhere: per process
+        self._pool = ThreadPoolExecutor(max_workers=1, initializer=os.nice, initargs=(nice,))
         self._async_sem = threading.Semaphore(max_pending_async)
         self._futures = []
         self._save_mutex = threading.Lock()
@@ -355,18 +353,6 @@ class CheckpointManager:
             raise
         self._futures.append(future)
         return True
-
-    def _lower_writer_priority(self):
-        """The writer thread's start: its niceness ``writer_nice`` above the process's (Linux
-        sets it per thread; elsewhere the call would change the whole process: not done)."""
-        if self.writer_nice and sys.platform.startswith("linux"):
-            tid = threading.get_native_id()
-            try:
-                os.setpriority(
-                    os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + self.writer_nice
-                )
-            except OSError as e:  # a sandbox that forbids it: the writer keeps its priority
-                logging.warning("CheckpointManager: could not lower the writer's priority: %s", e)
 
     def _write_and_release(self, step, box):
         try:
