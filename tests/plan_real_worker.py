@@ -23,6 +23,7 @@ import torchacc.torch_xla.distributed.spmd as xs  # noqa: E402
 import torchacc.torch_xla.runtime as xr  # noqa: E402
 from torchacc.distributed import sharding as engine  # noqa: E402
 from torchacc.plan import compile as pc  # noqa: E402
+from torchacc.plan import pipeline as plan_pipeline  # noqa: E402
 from torchacc.plan.models import resolve  # noqa: E402
 from torchacc.program import cache  # noqa: E402
 
@@ -45,6 +46,8 @@ def main():
 
 
 def run(req):
+    if req["mesh"].get("pp", 1) > 1:
+        return run_pipeline(req)
     dev = torchacc.device()
     spec = resolve(req["model"])
     torch.manual_seed(0)
@@ -89,14 +92,18 @@ def run(req):
                 lay_out_like_parameters(state, model, mesh, mesh_shape)
         torchacc.sync(wait=True)
     report = engine.memory_report(model, opt)
+    ids = np.arange(n).reshape([mesh_shape[a] for a in pc.AXES])
+    measure(report, before, ids, pc.AXES, loss)
+
+
+def measure(report, before, ids, axis_names, loss):
     exes = [e for k, e in cache._cache.items() if k not in before]
     exe = max(exes, key=lambda e: len(e.as_text()))  # the steady training step's program
     mem = exe.memory_analysis()
     if os.environ.get("TORCHACC_PLAN_DUMP_HLO"):
         with open(os.environ["TORCHACC_PLAN_DUMP_HLO"] + ".real.hlo.txt", "w") as f:
             f.write(exe.as_text())
-    ids = np.arange(n).reshape([mesh_shape[a] for a in pc.AXES])
-    colls = pc.collectives(exe.as_text(), ids, pc.AXES)
+    colls = pc.collectives(exe.as_text(), ids, axis_names)
     out = {
         "parameters": report["parameters"].get(0, 0),
         "gradients": report["gradients"].get(0, 0),
@@ -109,6 +116,39 @@ def run(req):
         "loss": float(loss.item()),
     }
     print("PLAN_REAL " + json.dumps(out), flush=True)
+
+
+def run_pipeline(req):
+    """ta.dist.PipelineParallel of the model (Config.dist: dp, fsdp, pp, micro-batches, 1F1B),
+    split where the planner splits it, AdamW over its parameters (the packed rows)."""
+    spec = resolve(req["model"])
+    torch.manual_seed(0)
+    model = spec.build(None, False)
+    mesh = req["mesh"]
+    config = torchacc.Config()
+    config.dist.pp.size = mesh["pp"]
+    config.dist.pp.num_micro_batches = req["microbatches"]
+    config.dist.pp.split_points = plan_pipeline.split_points(spec, spec.n_layer, mesh["pp"])
+    config.dist.dp.size = mesh.get("dp", 1)
+    config.dist.fsdp.size = mesh.get("fsdp", 1)
+    pm = torchacc.dist.PipelineParallel(model, config)
+    pm.to(torchacc.device())
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    b, t, v = req["batch_size"], req["seq_len"], spec.vocab
+    gen = torch.Generator().manual_seed(1)
+    before = set()
+    for i in range(3):
+        if i == 1:
+            before = set(cache._cache)
+        ids = torch.randint(0, v, (b, t), generator=gen).to(torchacc.device())
+        labels = torch.randint(0, v, (b, t), generator=gen).to(torchacc.device())
+        opt.zero_grad(set_to_none=False)
+        loss = pm.forward_backward(ids, labels=labels, output_fn=plan_pipeline.lm_loss)
+        opt.step()
+        torchacc.sync(wait=True)
+    report = engine.memory_report(pm, opt)
+    grid = np.vectorize(lambda d: d.id)(pm.mesh().devices)
+    measure(report, before, grid, tuple(pm.mesh().axis_names), loss)
 
 
 if __name__ == "__main__":

@@ -194,16 +194,26 @@ def _check_layout(spec, mesh, devices, batch_size, seq_len, microbatches):
                 raise PlanError(
                     f"tp={mesh['tp']} does not divide {spec.name}'s {kv} key/value heads"
                 )
-        if spec.n_layer and spec.n_layer % mesh["pp"]:
-            raise PlanError(f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers")
-        if mesh["pp"] > 1:  # (roofline.py keeps a one-stage estimate, unchecked against a run)
+        if mesh["pp"] > 1:  # Note [What the planner compiles under pp] in pipeline.py
+            if spec.n_layer and spec.n_layer % mesh["pp"]:
+                raise PlanError(
+                    f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers (each "
+                    "stage takes the same number of blocks)"
+                )
+            if mesh["tp"] > 1 or mesh["cp"] > 1:
+                raise PlanError(
+                    f"pp={mesh['pp']} with tp={mesh['tp']}, cp={mesh['cp']}: pipeline parallel "
+                    "(ta.dist.PipelineParallel) composes with dp and fsdp only"
+                )
+            if not spec.layer_prefix:
+                raise PlanError(
+                    f"pp={mesh['pp']}: {spec.name} names no repeated blocks to cut into stages"
+                )
+        if mesh["cp"] > 1 and seq_len % (2 * mesh["cp"]):
             raise PlanError(
-                f"pp={mesh['pp']}: the planner does not plan pipeline parallelism yet (its "
-                "program is not ta.dist.PipelineParallel's step, so no plan of it is checked); "
-                "plan with pp=1 (dp, fsdp, tp, cp)"
+                f"cp={mesh['cp']} needs seq_len divisible by 2 x cp = {2 * mesh['cp']} (context "
+                f"parallel's load-balanced causal split), got seq_len {seq_len}"
             )
-        if seq_len % mesh["cp"]:
-            raise PlanError(f"cp={mesh['cp']} does not divide seq_len {seq_len}")
         if spec.max_seq and seq_len > spec.max_seq:
             raise PlanError(f"seq_len {seq_len} > {spec.name}'s context of {spec.max_seq}")
     elif mesh["tp"] > 1 or mesh["pp"] > 1 or mesh["cp"] > 1:
@@ -348,9 +358,11 @@ def _prepare(
     _check_layout(spec, m, n, batch_size, seq_len, mb)
     stage_layers = spec.n_layer // m["pp"] if spec.n_layer else None
     if stage_layers and not full_depth and stage_layers > FULL_DEPTH_MAX:
-        depths = [1, 2]
+        depths = [1, 2]  # layers per stage; the whole model has pp x as many
     else:
         depths = [stage_layers] if stage_layers else [None]
+    if m["pp"] > 1:  # the whole pipelined model is compiled: depths count all its layers
+        depths = [d * m["pp"] for d in depths]
     req = dict(
         model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
         optimizer=optimizer, gc=bool(gc), scan_layers=bool(scan_layers), microbatches=mb,

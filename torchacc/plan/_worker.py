@@ -201,7 +201,12 @@ def main():
                 _progress(
                     f"{req['model']} {j + 1}/{len(jobs)} {axes}: {what} ({k + 1}/{len(depths)})"
                 )
-                r = compile_one(spec, req, layout, depth, devices)
+                if layout.get("pp", 1) > 1:  # Note [What the planner compiles under pp]
+                    from torchacc.plan.pipeline import compile_pp
+
+                    r = compile_pp(spec, req, layout, depth, devices)
+                else:
+                    r = compile_one(spec, req, layout, depth, devices)
                 r["job"] = j
                 r["full_params"], r["full_embed_params"] = full_params, full_embed
                 r["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
