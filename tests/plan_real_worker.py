@@ -48,6 +48,8 @@ def main():
 def run(req):
     if req["mesh"].get("pp", 1) > 1:
         return run_pipeline(req)
+    if req["mesh"].get("cp", 1) > 1:
+        return run_context_parallel(req)
     dev = torchacc.device()
     spec = resolve(req["model"])
     torch.manual_seed(0)
@@ -116,6 +118,52 @@ def measure(report, before, ids, axis_names, loss):
         "loss": float(loss.item()),
     }
     print("PLAN_REAL " + json.dumps(out), flush=True)
+
+
+def run_context_parallel(req):
+    """ta.accelerate with Config.dist.sp (the sequence over the mesh's sp axis, attention the
+    ring / Ulysses region), dp and fsdp; torch AdamW; gradients and moments laid out like their
+    parameters (Note [State keeps its parameter's layout])."""
+    spec = resolve(req["model"])
+    torch.manual_seed(0)
+    model = spec.build(None, False)
+    model.train()
+    m = {a: req["mesh"].get(a, 1) for a in pc.AXES}
+    config = torchacc.Config()
+    config.dist.sp.size, config.dist.fsdp.size = m["cp"], m["fsdp"]
+    config.dist.dp.size, config.dist.tp.size = m["dp"], m["tp"]
+    model = torchacc.accelerate(model, config=config)
+    n = int(np.prod(list(m.values())))
+    names = ("dp", "fsdp", "sp", "tp")  # accelerate's (dp, fsdp, sp, tp) mesh
+    mesh = xs.Mesh(np.arange(n), tuple(m[a] for a in pc.AXES), names)
+    data = tuple(a for a in pc.DATA_AXES if m[a] > 1)
+    label_spec = ((data[0] if len(data) == 1 else data) if data else None, "sp")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    b, t, v = req["batch_size"], req["seq_len"], spec.vocab
+    gen = torch.Generator().manual_seed(1)
+    dev = torchacc.device()
+    before = set()
+    for i in range(3):
+        if i == 1:
+            before = set(cache._cache)
+        ids = torch.randint(0, v, (b, t), generator=gen).to(dev)
+        labels = torch.randint(0, v, (b, t), generator=gen).to(dev)
+        xs.mark_sharding(labels, mesh, label_spec)
+        opt.zero_grad(set_to_none=False)
+        logits = model(ids).float()
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))
+        del logits
+        loss.backward()
+        if i == 0:
+            lay_out_like_parameters([p.grad for p in model.parameters()], model, mesh, m)
+        opt.step()
+        if i == 0:
+            for k in MOMENTS:
+                state = [opt.state[p].get(k) for p in model.parameters()]
+                lay_out_like_parameters(state, model, mesh, m)
+        torchacc.sync(wait=True)
+    report = engine.memory_report(model, opt)
+    measure(report, before, np.arange(n).reshape([m[a] for a in pc.AXES]), pc.AXES, loss)
 
 
 def run_pipeline(req):
