@@ -14,11 +14,8 @@ Estimates: "activations" (forward values the backward reads, from the traced gra
 the data axes where their leading dimension is the batch: a breakdown of ``temp``, which already
 holds them); depth extrapolation (a model deeper than ``full_depth_max`` layers is compiled at 1
 and 2 layers and every number extended linearly to its depth: layers are identical, so each adds
-the same bytes, FLOPs and collectives); pipeline parallelism (one stage of L/pp layers is
-compiled with the embedding and head, on a micro-batch; 1F1B keeps up to pp micro-batches of
-activations; the bubble and the activation sends between stages are added analytically; kept
-for when the planner compiles ta.dist.PipelineParallel's step: pp > 1 is refused until then,
-``_check_layout``); and
+the same bytes, FLOPs and collectives; under pp the whole pipelined model is compiled at pp
+and 2 pp layers, one and two per stage); and
 the step time: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + sum over collectives of
 their ring-algorithm bytes / link bandwidth`` (no overlap of communication with compute; a mesh
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
@@ -30,15 +27,22 @@ loop: the gallery's ``ScannedLayers`` runs the same blocks with the same weights
 the step's bytes, FLOPs and collectives are those of the loop up to XLA's scheduling; what scan
 buys a real run (a compile flat in depth) the planner gets from depth extrapolation.
 
+Pipeline parallel (pp > 1) is ``ta.dist.PipelineParallel``'s own compiled step (Note [What the
+planner compiles under pp] in pipeline.py): its memory, its pp sends and its executed FLOPs
+(bubble ticks included, Note [FLOPs of the pipelined step]) are measured like any other step's.
+
 Note [Layouts]
-The mesh of one pipeline stage has axes (dp, fsdp, cp, tp), tp innermost (devices numbered
-row-major, pp outermost). dp and fsdp split the batch (dim 0); cp splits the sequence (dim 1);
-fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec, distributed/fsdp.py) and
-its gradient and optimizer state alike; tp splits Megatron pairs: column layers (q/k/v, gate/up,
-c_attn, c_fc, lm_head; and the token embedding) on dim 0, row layers (o_proj, down_proj,
-c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp left. Activations whose dim 0
-is the batch are constrained to the data axes (Note [Activation layout] in compile.py). XLA's
-partitioner inserts every collective, as in a real SPMD run.
+Without pp the mesh has axes (dp, fsdp, cp, tp), tp innermost (devices numbered row-major);
+with pp it is ta.dist.PipelineParallel's (dp, fsdp, pp) mesh (TorchAcc's topology order), each
+stage's parameters one packed row split over (pp, fsdp). dp and fsdp split the batch (dim 0);
+cp splits the sequence (dim 1), attention running as dist.sp's region (Note [Context parallel
+in a plan] in compile.py); fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec,
+distributed/fsdp.py) and its gradient and optimizer state alike; tp splits Megatron pairs:
+column layers (q/k/v, gate/up, c_attn, c_fc, lm_head; and the token embedding) on dim 0, row
+layers (o_proj, down_proj, c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp
+left. Without cp, activations whose dim 0 is the batch are constrained to the data axes (Note
+[Activation layout] in compile.py). XLA's partitioner inserts every collective, as in a real
+SPMD run.
 """
 
 from __future__ import annotations
@@ -466,26 +470,49 @@ def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(spec, devices, batch_size, seq_len, gpus_per_node, max_pp=8):
+def pipelinable(spec):
+    """Whether ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages (its forward
+    traces with torch.fx): built on fake tensors at the model's depth, nothing compiled."""
+    if spec.kind != "lm" or not spec.layer_prefix or not spec.n_layer or spec.n_layer < 2:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchacc.pipeline import stages
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = spec.build(None, False)
+    try:
+        stages.Stages(model, [f"{spec.layer_prefix}{spec.n_layer // 2}"])
+    except ValueError:
+        return False
+    return True
+
+
+def candidate_layouts(spec, devices, batch_size, seq_len, gpus_per_node, max_pp=4, pp=None):
     """Every (dp, fsdp, tp, pp, cp) whose product is ``devices`` and that the model and batch
-    allow (tp within a node and dividing the heads, pp dividing the layers, cp the sequence)."""
+    allow (tp within a node and dividing the heads, pp dividing the layers, cp the sequence;
+    pp at most ``max_pp``, and only where the model is pipelinable: ``pp`` True/False, None to
+    ask :func:`pipelinable`)."""
+    if pp is None:
+        pp = pipelinable(spec)
+    max_pp = max_pp if pp else 1
     out = []
     for tp in _divisors(devices):
         if tp > gpus_per_node:
             continue
-        for pp in _divisors(devices // tp):
-            if pp > max_pp:
+        for p in _divisors(devices // tp):
+            if p > max_pp:
                 continue
-            for cp in _divisors(devices // tp // pp):
-                rest = devices // tp // pp // cp
+            for cp in _divisors(devices // tp // p):
+                rest = devices // tp // p // cp
                 for dp in _divisors(rest):
-                    m = dict(dp=dp, fsdp=rest // dp, tp=tp, pp=pp, cp=cp)
-                    mb = 2 * pp if pp > 1 else 1
+                    m = dict(dp=dp, fsdp=rest // dp, tp=tp, pp=p, cp=cp)
+                    mb = 2 * p if p > 1 else 1
                     try:
                         _check_layout(spec, m, devices, batch_size, seq_len, mb)
                     except PlanError:
                         continue
-                    if spec.kind != "lm" and (tp > 1 or pp > 1 or cp > 1):
+                    if spec.kind != "lm" and (tp > 1 or p > 1 or cp > 1):
                         continue
                     out.append(m)
     return out
