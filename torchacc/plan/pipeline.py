@@ -1,6 +1,7 @@
 """A pipeline-parallel plan's step: ``torchacc.pipeline``'s own program (the one
 ``ta.dist.PipelineParallel.forward_backward`` records) with the optimizer update after it,
-compiled from abstract shapes in the planner's worker.
+compiled from abstract shapes in the planner's worker; and whether a model can be cut into
+stages at all (``pipelinable``, what ``--search`` asks before it offers pp layouts).
 
 Note [What the planner compiles under pp]
 For ``pp > 1`` the planner does not compile its own one-stage stand-in: it builds the model
@@ -43,6 +44,24 @@ def lm_loss(logits, labels):
     return torch.nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
     )
+
+
+def pipelinable(spec):
+    """Whether ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages (its forward
+    traces with torch.fx): built on fake tensors at the model's depth, nothing compiled."""
+    if spec.kind != "lm" or not spec.layer_prefix or not spec.n_layer or spec.n_layer < 2:
+        return False
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from torchacc.pipeline import stages
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model = spec.build(None, False)
+    try:
+        stages.Stages(model, [f"{spec.layer_prefix}{spec.n_layer // 2}"])
+    except ValueError:
+        return False
+    return True
 
 
 def split_points(spec, n_layer, pp):
@@ -189,7 +208,7 @@ def compile_pp(spec, req, layout, n_layer, devices):
         (sum(math.prod(s) * np.dtype(d).itemsize for s, d in b) for b in pm.plan.boundaries),
         default=0,
     )
-    act = bnd * min(M, 2 * S - 1) // max(1, nb)
+    act = bnd * min(M, 2 * S - 1)  # (boundaries are per device: one micro-batch shard)
     n_params = sum(p.numel() for p in model.parameters())
     return dict(
         n_layer=L, trace_s=t_trace, compile_s=t_compile,
