@@ -240,6 +240,8 @@ def test_help_says_batch_size_is_global(capsys):
         (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
         (dict(mesh="tp=4"), "tp=4 does not divide llama-tiny's 2 key/value heads"),
         (dict(mesh="pp=2,tp=2"), "pp=2 with tp=2, cp=1: pipeline parallel"),
+        (dict(mesh="dp=2,pp=2"), "pp=2: llama-tiny cannot be cut into stages: pipeline parallel:"),
+        (dict(mesh="dp=2,pp=2", microbatches=0), "microbatches 0 must be a positive"),
         (dict(mesh="dp=2,pp=2", batch_size=6), "batch_size 6"),
         (dict(mesh="fsdp=2,cp=2", seq_len=62), "cp=2 needs seq_len divisible by 2 x cp = 4"),
         (dict(model="resnet-tiny", mesh="tp=4"), "resnet-tiny: only dp and fsdp layouts"),

@@ -55,7 +55,7 @@ import re
 from torchacc import hardware
 from torchacc.plan import roofline
 from torchacc.plan.models import PlanError, known_models, resolve
-from torchacc.plan.pipeline import pipelinable
+from torchacc.plan.pipeline import pipelinable, why_not_pipelinable
 from torchacc.plan.roofline import format_table
 from torchacc.plan.runner import run_worker as _run_worker
 
@@ -355,8 +355,16 @@ def _prepare(
     n = math.prod(m.values())
     if devices is not None and n != devices:
         _check_layout(spec, m, devices, batch_size, seq_len, 1)
+    if microbatches is not None and (
+        not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
+    ):
+        raise PlanError(f"microbatches {microbatches!r} must be a positive whole number")
     mb = (microbatches or 2 * m["pp"]) if m["pp"] > 1 else 1
     _check_layout(spec, m, n, batch_size, seq_len, mb)
+    if m["pp"] > 1:
+        why = why_not_pipelinable(spec)
+        if why:
+            raise PlanError(f"pp={m['pp']}: {spec.name} cannot be cut into stages: {why}")
     stage_layers = spec.n_layer // m["pp"] if spec.n_layer else None
     if stage_layers and not full_depth and stage_layers > FULL_DEPTH_MAX:
         depths = [1, 2]  # layers per stage; the whole model has pp x as many

@@ -47,10 +47,16 @@ def lm_loss(logits, labels):
 
 
 def pipelinable(spec):
-    """Whether ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages (its forward
-    traces with torch.fx): built on fake tensors at the model's depth, nothing compiled."""
+    """Whether ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages."""
+    return why_not_pipelinable(spec) is None
+
+
+def why_not_pipelinable(spec):
+    """None when ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages (its forward
+    traces with torch.fx: built on fake tensors at the model's depth, nothing compiled), else
+    the reason."""
     if spec.kind != "lm" or not spec.layer_prefix or not spec.n_layer or spec.n_layer < 2:
-        return False
+        return f"{spec.name} has no repeated blocks the planner knows to cut into stages"
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from torchacc.pipeline import stages
@@ -59,9 +65,9 @@ def pipelinable(spec):
         model = spec.build(None, False)
     try:
         stages.Stages(model, [f"{spec.layer_prefix}{spec.n_layer // 2}"])
-    except ValueError:
-        return False
-    return True
+    except ValueError as e:
+        return str(e)
+    return None
 
 
 def split_points(spec, n_layer, pp):
