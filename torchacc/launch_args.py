@@ -237,9 +237,30 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
         ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),
         ("cp", "with --fsdp --compiler-opt: context parallel (the sequence split) over N devices"),
-        ("pp", "pipeline parallel stages (not wired into the launcher yet: N > 1 is refused)"),
+        (
+            "pp",
+            "with --fsdp --compiler-opt: pipeline parallel, the model's blocks cut evenly into N "
+            "stages (ta.dist.PipelineParallel) on a dp x fsdp x pp mesh",
+        ),
     ):
         g.add_argument(f"--{name}", type=_int_at_least(1, name), default=1, metavar="N", help=text)
+    g.add_argument(
+        "--num_micro_batches",
+        "--pp_microbatches",
+        dest="num_micro_batches",
+        type=_int_at_least(1, "num_micro_batches"),
+        default=None,
+        metavar="M",
+        help="with --pp: micro-batches per step (TorchAcc's Config.dist.pp.num_micro_batches; "
+        "default: the --pp stages); M x the data-parallel devices must divide the global batch",
+    )
+    g.add_argument(
+        "--pp_schedule",
+        choices=("1F1B", "GPipe"),
+        default="1F1B",
+        help="with --pp: the pipeline schedule (TorchAcc's Config.dist.pp.schedule; 1F1B is its "
+        "PipeDreamFlush)",
+    )
     g.add_argument(
         "--parallel_mode",
         choices=("data_parallel", "semi_auto", "auto"),

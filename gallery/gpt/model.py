@@ -7,7 +7,8 @@ With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
 cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks are
 one ``ScannedLayers`` of torchacc (stacked weights, one scan on the torchacc device).
 The fused QKV projection ``c_attn`` is laid out head-major (Megatron's layout), so a
-tensor-parallel split of its rows is a split of the heads. Configurations are chosen by name;
+tensor-parallel split of its rows is a split of the heads. ``forward`` is ``torch.fx``-traceable
+(pipeline parallel cuts it into stages before blocks ``h.<i>``). Configurations are chosen by name;
 ``gpt2`` is the 124M model (124,439,808 parameters).
 """
 
@@ -46,6 +47,15 @@ CONFIGS: dict[str, GPTConfig] = {
 }
 
 GPT2_NUM_PARAMS = 124_439_808
+
+
+@torch.fx.wrap
+def check_length(t: int, block_size: int) -> None:
+    """``ValueError`` for a sequence longer than the block size. Under ``torch.fx`` (the pipeline's
+    splitter traces ``forward``) this is one call node run with the real length, not Python
+    control flow on a traced value; eagerly it is the same check as inline."""
+    if t > block_size:
+        raise ValueError(f"sequence length {t} > block_size {block_size}")
 
 
 class CausalSelfAttention(nn.Module):
@@ -133,8 +143,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
         t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        check_length(t, self.config.block_size)
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         if self.scan_layers:
