@@ -141,7 +141,9 @@ class Pipeline(FSDPv2):
         """One step: ``forward_backward`` of the micro-batches (gradients into the packed
         parameters' ``.grad``), the optimizer's update, ``mark_step``."""
         if scaler is not None:
-            line = "--pp: fp16's GradScaler does not apply to the pipeline step; use --amp_dtype bf16"
+            line = (
+                "--pp: fp16's GradScaler does not apply to the pipeline step; use --amp_dtype bf16"
+            )
             raise exit_reported(2, f"error: {line}", self.rank)
         xm, loss_fn = self.xm, task.loss_fn
 
