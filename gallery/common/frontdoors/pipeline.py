@@ -58,11 +58,11 @@ class Pipeline(FSDPv2):
     batch_axes = ("dp", "fsdp")
 
     def place(self, model, task):
-        from gallery.common.logger import reset_peak_memory_fn, set_peak_memory_fn
+        import torch.distributed as dist
+
         from gallery.common.frontdoors.base import rendezvous_kwargs
         from gallery.common.frontdoors.compiler import xla_peak_memory_fn
-
-        import torch.distributed as dist
+        from gallery.common.logger import reset_peak_memory_fn, set_peak_memory_fn
 
         xm = self.xm
         dist.init_process_group(backend="xla", **rendezvous_kwargs())
