@@ -184,7 +184,10 @@ def _body(a2a, ring, n_ring, scale, causal, extras, dropout=None):
                     s = s + cols.astype(jnp.float32)
             if mask is not None:
                 s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, s.max(-1))
+            # the running max is a shift the softmax cancels: no gradient flows through it
+            # (exact; XLA:CPU at --xla_backend_optimization_level=0 gave NaN dq/dk through the
+            # max's gradient with an additive mask)
+            m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
             p = jnp.exp(s - m_new[..., None])
             if mask is not None:  # a row with every key of this block masked adds nothing
                 p = jnp.where(mask, p, 0.0)
