@@ -291,11 +291,24 @@ def test_per_head_masks_match_eager(algorithm, cp, kind):
         model(qd, kd, vd, torch.ones(B, 3, S, S, dtype=torch.bool).to(DEV))
 
 
-@pytest.mark.parametrize("a2a,ring,causal,kv", [(("cp",), (), False, 4), ((), ("cp",), True, 2)])
-def test_dropout_mask_is_the_unsharded_rules_for_the_seed(a2a, ring, causal, kv):
-    """For one seed the region (Ulysses, or the causal zig-zag ring with GQA; batch on dp)
-    equals the unsharded attention rule of torchacc/lowering/fused_attention.py with that seed
-    within 1e-5, forward and the VJP: the keep mask is a function of the global index only."""
+_DROPOUT_LAYOUTS = {  # mesh shape, names, a2a axes, ring axes, head axis, causal, kv heads, mask
+    "ulysses, heads on tp, a per-head mask": (
+        (1, 2, 2), ("dp", "tp", "cp"), ("cp",), (), "tp", False, 4, True,
+    ),
+    "causal zig-zag ring, GQA, batch on dp": (
+        (2, 2), ("dp", "cp"), (), ("cp",), None, True, 2, False,
+    ),
+    "causal 2-D (Ulysses intra, ring inter), GQA": (
+        (1, 2, 2), ("dp", "inter", "intra"), ("intra",), ("inter",), None, True, 2, False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(_DROPOUT_LAYOUTS))
+def test_dropout_mask_is_the_unsharded_rules_for_the_seed(layout):
+    """For one seed the region equals the unsharded attention rule of
+    torchacc/lowering/fused_attention.py with that seed within 1e-5, forward and the VJP,
+    whatever the layout: the keep mask is a function of the global index (b, h, i, j) only."""
     import jax.numpy as jnp
     import numpy as np
     from jax.sharding import Mesh
@@ -303,22 +316,28 @@ def test_dropout_mask_is_the_unsharded_rules_for_the_seed(a2a, ring, causal, kv)
     from torchacc.context_parallel.regions import _make_attention
     from torchacc.lowering import fused_attention
 
-    mesh = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("dp", "cp"))
+    shape, names, a2a, ring, hax, causal, kv, masked = _DROPOUT_LAYOUTS[layout]
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), names)
     B, S, H, D, p = 2, 16, 4, 8, 0.3
-    keys = jax.random.split(jax.random.key(0), 4)
+    keys = jax.random.split(jax.random.key(0), 5)
     q = jax.random.normal(keys[0], (B, S, H, D), jnp.float32)
     k, v = (jax.random.normal(x, (B, S, kv, D), jnp.float32) for x in keys[1:3])
     g = jax.random.normal(keys[3], (B, S, H, D), jnp.float32)
+    mask = None
+    if masked:  # [B, H, S, S], every query seeing a key
+        mask = (jax.random.uniform(keys[4], (B, H, S, S)) > 0.3) | jnp.eye(S, dtype=bool)
     seed = jnp.asarray(123456789, jnp.int64)
     scale = 1.0 / D**0.5
-    fwd = _make_attention(mesh, "dp", a2a, ring, scale, causal, False, None, (), p)
+    bax = "dp" if shape[0] > 1 else None
+    fwd = _make_attention(mesh, bax, a2a, ring, scale, causal, False, hax, ("mask",) * masked, p)
+    extra = () if mask is None else (mask,)
 
     def region(q, k, v):
-        return fwd(q, k, v, seed)
+        return fwd(q, k, v, *extra, seed)
 
-    def unsharded(q, k, v):  # the rule's layout is [B, H, L, D]
+    def unsharded(q, k, v, rate=p):  # the rule's layout is [B, H, L, D]
         t = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
-        out, _ = fused_attention._xla_forward(*t, None, causal, scale, seed, p)
+        out, _ = fused_attention._xla_forward(*t, mask, causal, scale, seed, rate)
         return jnp.swapaxes(out, 1, 2)
 
     got, vjp = jax.vjp(jax.jit(region), q, k, v)
@@ -326,10 +345,7 @@ def test_dropout_mask_is_the_unsharded_rules_for_the_seed(a2a, ring, causal, kv)
     np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     for a, b in zip(vjp(g), vjp_ref(g)):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    plain = fused_attention._xla_forward(
-        *[jnp.swapaxes(x, 1, 2) for x in (q, k, v)], None, causal, scale
-    )[0]
-    assert float(jnp.abs(got - jnp.swapaxes(plain, 1, 2)).max()) > 0.1  # something dropped
+    assert float(jnp.abs(got - unsharded(q, k, v, 0.0)).max()) > 0.1  # something dropped
 
 
 @pytest.mark.parametrize("algorithm,cp", [("ring", 4)])
