@@ -56,30 +56,15 @@ class Pipeline(FSDPv2):
     ``forward_backward``."""
 
     batch_axes = ("dp", "fsdp")
+    place_before_shard = False  # cut and packed on the host, then placed
 
-    def place(self, model, task):
-        import torch.distributed as dist
-
-        from gallery.common.frontdoors.base import rendezvous_kwargs
-        from gallery.common.frontdoors.compiler import xla_peak_memory_fn
-        from gallery.common.logger import reset_peak_memory_fn, set_peak_memory_fn
-
-        xm = self.xm
-        dist.init_process_group(backend="xla", **rendezvous_kwargs())
-        device = self.device = xm.xla_device()
-        xm.set_replication(device, [device])
-        self.rank, self.world_size = xm.get_ordinal(), xm.xrt_world_size()
-        model = self.pipeline(model, task)  # cut and packed on the host, then placed
-        model.to(device)
+    def shard(self, model):
+        model = self.pipeline(model)
+        model.to(self.device)
         self._log_placement(model)
-        xm.mark_step()
-        if xm.xla_device_hw(device) == "GPU":
-            set_peak_memory_fn(xla_peak_memory_fn(xm, device), "xla")
-        else:
-            reset_peak_memory_fn()
         return model
 
-    def pipeline(self, model, task):
+    def pipeline(self, model):
         """``model`` (on the host) cut into ``--pp`` stages of a (dp, fsdp, pp) mesh."""
         import numpy as np
 
