@@ -292,6 +292,19 @@ def test_mpirun_one_launcher_per_node_with_several_processes_each(tmp_path):
             "--tp 2 --pp 2: the launcher's pipeline does not compose with --tp/--cp yet",
         ),
         (
+            [
+                "--model",
+                "gpt-tiny",
+                "--fsdp",
+                "--compiler-opt",
+                "--pp",
+                "2",
+                "--nproc_per_node",
+                "2",
+            ],
+            "--pp 2: one process drives every stage for now",
+        ),
+        (
             ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--scan-layers"],
             "--pp 2 --scan-layers: the pipeline cuts between blocks",
         ),

@@ -204,6 +204,11 @@ def axes_flag_error(args) -> str | None:
                 f"{' '.join(axes)}: the launcher's pipeline does not compose with --tp/--cp yet "
                 "(run --pp alone, or --tp/--cp without --pp)"
             )
+        if getattr(args, "nnodes", 1) > 1 or getattr(args, "nproc_per_node", 1) not in (1, "cpu"):
+            return (
+                f"--pp {pp}: one process drives every stage for now (--nproc_per_node=1 on one "
+                "node; on a CPU set CPU_NUM_DEVICES=N)"
+            )
         if args.scan_layers:
             return (
                 f"--pp {pp} --scan-layers: the pipeline cuts between blocks, which one scanned "
