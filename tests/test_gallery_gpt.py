@@ -154,22 +154,33 @@ def test_resume_equals_uninterrupted(tmp_path):
         assert a["losses"] + b["losses"] == pytest.approx(f["losses"], rel=1e-3)
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "llama-tiny", "llama-tiny packed"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt-tiny",
+        "llama-tiny",
+        "llama-tiny packed",
+        "gpt-tiny kernels",
+        "llama-tiny packed kernels",
+    ],
+)
 def test_gallery_models_split_into_pipeline_stages_like_eager(name):
-    """The gallery's GPT-2 and LLaMA trace with torch.fx as the pipeline's splitter does (the
-    length and position-id checks are call nodes, not control flow on a traced value), cut
-    evenly before their blocks: the stages run one after another on the host give the eager
-    model's logits exactly, and a sequence past the block size is still the ValueError."""
+    """The gallery's GPT-2 and LLaMA (also with --kernel-opt's torchacc_ops) trace with torch.fx
+    as the pipeline's splitter does (the length and position-id checks and the kernels are call
+    nodes, not control flow on a traced value), cut evenly before their blocks: the stages run
+    one after another on the host give the eager model's logits exactly, and a sequence past the
+    block size is still the ValueError."""
     from gallery.common.frontdoors.pipeline import BatchInputs, even_split_points
     from gallery.llama.model import build_llama
     from torchacc.pipeline.stages import Stages
 
     torch.manual_seed(0)
-    packed = name.endswith("packed")
-    model = build_gpt("gpt-tiny") if name == "gpt-tiny" else build_llama("llama-tiny")
+    packed, kernels = "packed" in name, "kernels" in name
+    gpt = name.startswith("gpt")
+    model = build_gpt("gpt-tiny", kernels) if gpt else build_llama("llama-tiny", kernels)
     wrapped = BatchInputs(model, 2 if packed else 1)
     points = even_split_points(wrapped, 2)
-    assert points == ["model.h.1" if name == "gpt-tiny" else "model.layers.1"]
+    assert points == ["model.h.1" if gpt else "model.layers.1"]
     split = Stages(wrapped, points)
     idx = torch.randint(0, 512, (2, 16))
     inputs = {"idx": idx}

@@ -50,6 +50,13 @@ GPT2_NUM_PARAMS = 124_439_808
 
 
 @torch.fx.wrap
+def flash_attention(q, k, v, **kwargs):
+    """``torchacc_ops.flash_attention``, looked up at each call (context parallel swaps it in
+    the model's forward); one call node under ``torch.fx``, whose tracing cannot enter it."""
+    return torchacc_ops.flash_attention(q, k, v, **kwargs)
+
+
+@torch.fx.wrap
 def check_length(t: int, block_size: int) -> None:
     """``ValueError`` for a sequence longer than the block size. Under ``torch.fx`` (the pipeline's
     splitter traces ``forward``) this is one call node run with the real length, not Python
@@ -78,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.unbind(3)
         p = self.dropout if self.training else 0.0
         if self.kernels:
-            y = torchacc_ops.flash_attention(q, k, v, causal=True, dropout_p=p)
+            y = flash_attention(q, k, v, causal=True, dropout_p=p)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)

@@ -27,9 +27,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchacc_ops
-from gallery.gpt.model import check_length
+from gallery.gpt.model import check_length, flash_attention
 
-torch.fx.wrap("check_length")  # a call node under torch.fx in this module too
+torch.fx.wrap("check_length")  # call nodes under torch.fx in this module too
+torch.fx.wrap("flash_attention")
+
+
+@torch.fx.wrap
+def _rms_norm(x, weight, eps):
+    """``torchacc_ops``' kernels as one call node each under ``torch.fx`` (see
+    ``gallery.gpt.model.flash_attention``)."""
+    return torchacc_ops.rms_norm(x, weight, eps)
+
+
+@torch.fx.wrap
+def _apply_rotary_emb(x, cos, sin):
+    return torchacc_ops.apply_rotary_emb(x, cos, sin)
+
+
+@torch.fx.wrap
+def _swiglu(gate, up):
+    return torchacc_ops.swiglu(gate, up)
+
 
 __all__ = ["LlamaConfig", "CONFIGS", "Llama", "build_llama"]
 
@@ -65,7 +84,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return torchacc_ops.rms_norm(x, self.weight, self.eps)
+            return _rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
@@ -79,7 +98,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: bool) -> torch.Tensor:
     """x (B, H, T, D); cos/sin (T, D/2), or (B, 1, T, D/2) for packed rows."""
     if kernels:
-        return torchacc_ops.apply_rotary_emb(x, cos, sin)
+        return _apply_rotary_emb(x, cos, sin)
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     xf = x.float()
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
@@ -109,7 +128,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin, self.kernels), rotary(k, cos, sin, self.kernels)
         if self.kernels:
-            y = torchacc_ops.flash_attention(q, k, v, causal=True, position_ids=position_ids)
+            y = flash_attention(q, k, v, causal=True, position_ids=position_ids)
         elif position_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -128,7 +147,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        h = torchacc_ops.swiglu(gate, up) if self.kernels else F.silu(gate) * up
+        h = _swiglu(gate, up) if self.kernels else F.silu(gate) * up
         return self.down_proj(h)
 
 
