@@ -26,16 +26,6 @@ from torchacc.plan import compile as pc  # noqa: E402
 from torchacc.plan.models import resolve  # noqa: E402
 from torchacc.program import cache  # noqa: E402
 
-MOMENTS = ("exp_avg", "exp_avg_sq", "momentum_buffer")
-
-
-def lay_out_like_parameters(tensors, model, mesh, mesh_shape):
-    """Give each new gradient / optimizer moment its parameter's layout (Note [State keeps its
-    parameter's layout] in tests/test_plan.py)."""
-    for (name, p), t in zip(model.named_parameters(), tensors):
-        if t is not None:
-            xs.mark_sharding(t, mesh, pc.param_spec(name, tuple(p.shape), mesh_shape))
-
 
 def main():
     reqs = json.loads(sys.argv[1])
@@ -80,14 +70,8 @@ def run(req):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))
         del logits  # (a live tensor at the sync would be one more output of the step)
         loss.backward()
-        if i == 0:
-            lay_out_like_parameters([p.grad for p in model.parameters()], model, mesh, mesh_shape)
-        opt.step()
-        if i == 0:  # AdamW's moments, made by the first step
-            moments = [[opt.state[p].get(k) for p in model.parameters()] for k in MOMENTS]
-            for state in moments:
-                lay_out_like_parameters(state, model, mesh, mesh_shape)
-        torchacc.sync(wait=True)
+        opt.step()  # gradients and moments take their parameter's layout (Note [State keeps
+        torchacc.sync(wait=True)  # its parameter's layout] in tests/test_plan.py)
     report = engine.memory_report(model, opt)
     exes = [e for k, e in cache._cache.items() if k not in before]
     exe = max(exes, key=lambda e: len(e.as_text()))  # the steady training step's program

@@ -7,12 +7,13 @@ plan of the file (the cases, the depth extrapolation, the search's candidates, R
 side on the two cores.
 
 Note [State keeps its parameter's layout]
-A plan lays each gradient and optimizer moment out like its parameter. The real step gives them
-that layout with ``mark_sharding`` when they are made (first step): the lazy engine's own rule
-for a step's new results (the first sharded argument of the same shape and dtype,
-sharding/layout.py) would give o_proj's gradient q_proj's layout (both 64 x 64, split on other
-dims under tp) and leave a replicated norm weight's gradient to XLA, which splits it over tp;
-the real step then moves state between layouts every step.
+A plan lays each gradient and optimizer moment out like its parameter, and so does the real step:
+the engine gives a result the step creates (a gradient, a moment made at the first step) the
+layout of the state it is updated with (Note [A new result's layout] in
+torchacc/sharding/layout.py), so the real step marks only the parameters. (The engine's former
+rule, the first sharded argument of the same shape and dtype, gave o_proj's gradient q_proj's
+layout under tp and left a replicated norm weight's gradient to XLA, which split it over tp; the
+real step had to mark every gradient and moment itself.)
 """
 
 from __future__ import annotations
