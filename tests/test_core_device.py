@@ -2,10 +2,10 @@
 
 import copy
 import os
-import subprocess
 import sys
 import textwrap
 
+import prewarmed
 import pytest
 import torch
 from compile_counts import new_graphs
@@ -237,9 +237,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run_script(env, script=_SCRIPT):
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = prewarmed.run(["-c", script], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     return out
 
