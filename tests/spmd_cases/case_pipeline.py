@@ -365,6 +365,20 @@ def test_pp_by_sp_gpt_shaped_equals_eager():
     assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
 
 
+def test_scan_layers_under_pp_by_dp_gpipe_equals_eager():
+    """scan_layers=True without tp / sp (dp = 2 x pp = 2, GPipe): uniform stages, each stage's 2
+    blocks one scan; one step equals eager within 1e-5 fp32."""
+    from torchacc.pipeline.uniform import UniformPipelineModule
+
+    ref, model = _gpt()
+    mesh = _mesh([2, 2], ["dp", "pp"])
+    pm = pipeline_parallel(model, mesh, ["h.2"], 2, "GPipe", scan_layers=True)
+    assert isinstance(pm, UniformPipelineModule)
+    pm.to(ta.device())
+    errs, param_err = _train(pm, ref, 1, data=_seq_data)
+    assert max(max(e) for e in errs) <= 1e-5 and param_err <= 1e-5, errs
+
+
 def test_uniform_stages_bad_input_is_one_value_error_naming_the_sizes():
     """tp not dividing the heads, split points off the every-L/pp-th block, pp not dividing
     the blocks: one ValueError each naming the sizes; the model is unchanged."""
