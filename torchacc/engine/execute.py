@@ -17,7 +17,7 @@ import numpy as np
 from torchacc import metrics
 from torchacc import program as compiler
 from torchacc.engine import explain
-from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
+from torchacc.engine.transfer import PEEK, Deferred, put, read, upload  # noqa: F401
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
 from torchacc.program import known, pack
@@ -55,6 +55,9 @@ def fetch(value, dtype):
     if value.node is not None:
         explain.on_read()  # Note [Explaining syncs and compiles]
         run([value], donate=False)
+    if type(value) is Deferred:  # still on the host (Note [Deferred uploads])
+        host = value.host_data()
+        return host.clone() if host.dtype == dtype else host.to(dtype)
     if type(value.buf) is tuple:  # a piece of a pack (Note [Packed state])
         return read(pack.host_piece(value), dtype)
     return read(value.array, dtype)
@@ -66,6 +69,15 @@ def _live_outputs(clear=True):
     held when the step began (``Storage.start``; ``clear``: a sync's pass clears it), from one
     pass over the storages."""
     outputs, held, starts = [], set(), []
+    PEEK[0] = True  # data still on the host stays there (Note [Deferred uploads])
+    try:
+        _walk(clear, outputs, held, starts)
+    finally:
+        PEEK[0] = False
+    return outputs, held, starts
+
+
+def _walk(clear, outputs, held, starts):
     add, append = held.add, outputs.append
     for st in live_storages():
         v = st.value
@@ -85,7 +97,6 @@ def _live_outputs(clear=True):
                 add(id(b[0]))
             elif b is not None:
                 add(id(b))
-    return outputs, held, starts
 
 
 def run(outputs, donate, held=None, learn=False, starts=None):

@@ -305,24 +305,44 @@ def _get_xla_tensor_debug_info(tensor):
     """torch_xla's debug text of a tensor: its id, device, shape, sharding (``ShardingSpec``),
     whether it is pending and, for data, where it lives (``XLAShardedData`` in SPMD mode: the
     sharding and the number of shards)."""
+    from torchacc.engine import transfer
+    from torchacc.sharding import api as engine
+
     (value,) = _values([tensor])
     spec = _get_xla_sharding_spec(tensor) or "None"
     shape = _desc_text(value.desc)
+    # in SPMD mode every tensor is on torch_xla's one virtual device
+    device = "SPMD:0" if engine.is_spmd() else tensor.device
+    if transfer.is_deferred(value):  # still on the host (Note [Deferred uploads])
+        size = list(value.desc[0])
+        return (
+            "\n".join(
+                [
+                    "XLATensor {",
+                    f"TensorID: {_xla_get_tensor_id(tensor)}",
+                    f"Device: {device}",
+                    f"XLA Shape: {shape}",
+                    f"ShardingSpec: {spec}",
+                    "IR: None",
+                    "XLAData: None",
+                    f"Tensor on host: with size {size}",
+                ]
+            )
+            + "\n}\n"
+        )
     lines = [
         "XLATensor {",
         f"TensorID: {_xla_get_tensor_id(tensor)}",
-        f"Device: {tensor.device}",
+        f"Device: {device}",
         f"XLA Shape: {shape}",
         f"ShardingSpec: {spec}",
         f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}",
         f"IR: {'xla::device_data' if value.node is None else _op_text(value.node.op.rule.name)}",
-        "Tensor on host: None",  # uploads are never deferred: data is on the device
+        "Tensor on host: None",
     ]
     array = value.buf if value.node is None else None
     sharding = getattr(array, "sharding", None)
     if sharding is not None:
-        from torchacc.sharding import api as engine
-
         if engine.is_spmd():
             lines += [
                 "XLAShardedData: ",
