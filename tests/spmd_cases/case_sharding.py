@@ -377,3 +377,53 @@ def test_mp_device_loader_input_sharding():
         next(iter(pl.MpDeviceLoader([torch.ones(4, 2)], DEV, input_sharding=spec)))
     with pytest.raises(KeyError, match="'y'"):
         next(iter(pl.MpDeviceLoader(batches, DEV, input_sharding={"x": spec["x"]})))
+
+
+def test_moved_data_stays_on_the_host_until_its_layout_is_known():
+    """torch_xla's virtual device (Note [Deferred uploads] in torchacc/engine/transfer.py):
+    ``.to(device)`` keeps the data on the host; ``mark_sharding`` sends each device its shard
+    once (not a replicated copy and a reshard), an op recording it uploads it replicated, a sync
+    leaves it alone, and reads answer from the host copy."""
+    import torchacc.torch_xla.core.xla_model as xm
+    import torchacc.torch_xla.debug.metrics as met
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    met.clear_all()
+    host = torch.arange(32.0).reshape(8, 4)
+    x = host.to(DEV)
+    host.add_(100)  # the device tensor holds a copy
+    info = _XLAC._get_xla_tensor_debug_info(x)
+    assert "Tensor on host: with size [8, 4]" in info and "Device: SPMD:0" in info, info
+    assert "TransferToDeviceTime" not in met.metric_names()
+    assert _XLAC._get_xla_sharding_spec(x) == ""
+    torchacc.sync()  # a sync does not upload it
+    assert "XLAData: None" in _XLAC._get_xla_tensor_debug_info(x)
+    assert torch.equal(x.cpu(), torch.arange(32.0).reshape(8, 4))  # read from the host copy
+    assert met.counter_value("TransferFromDevice") is None
+    xs.mark_sharding(x, mesh, ("data", "model"))
+    assert met.counter_value("VirtualDeviceUsage") == 1
+    assert met.counter_value("TransferToDevice") == 1
+    assert met.metric_data("OutboundData")[1] == 32 * 4  # 4 shards of 8: the tensor once
+    assert _XLAC._get_xla_sharding_spec(x) == "{devices=[2,2]0,1,2,3}"
+    assert "XLAShardedData" in _XLAC._get_xla_tensor_debug_info(x)
+    x2 = x * 2
+    # a dimension that does not divide: the host copy is padded before the sharded upload
+    y = torch.arange(6.0).reshape(3, 2).to(DEV)
+    xs.mark_sharding(y, mesh, (("data", "model"), None))
+    y1 = y + 1
+    # recorded as an op's input: uploaded replicated at once; in-place and partial writes
+    z = torch.ones(4).to(DEV)
+    w = z + 1
+    assert "Tensor on host: None" in _XLAC._get_xla_tensor_debug_info(z)
+    assert _XLAC._get_xla_sharding_spec(z) == ""  # still an upload never marked
+    z.mul_(3)
+    e = torch.zeros(4, device=DEV)
+    e[1:3] = torch.tensor([5.0, 6.0])
+    torchacc.sync()
+    assert w.tolist() == [2.0] * 4 and z.tolist() == [3.0] * 4 and e.tolist() == [0, 5, 6, 0]
+    assert torch.equal(x2.cpu(), torch.arange(32.0).reshape(8, 4) * 2)
+    assert torch.equal(y1.cpu(), torch.arange(6.0).reshape(3, 2) + 1)
+    # torch_xla's loader door: the input sharding is applied by the one upload
+    spec = xs.ShardingSpec(mesh, ("data", None))
+    (b,) = xm.send_cpu_data_to_device([torch.ones(4, 2)], DEV, input_sharding=spec)
+    assert _XLAC._get_xla_sharding_spec(b) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
