@@ -17,7 +17,7 @@ import numpy as np
 from torchacc import metrics
 from torchacc import program as compiler
 from torchacc.engine import explain
-from torchacc.engine.transfer import PEEK, Deferred, put, read, upload  # noqa: F401
+from torchacc.engine.transfer import Deferred, put, read, upload  # noqa: F401
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
 from torchacc.program import known, pack
@@ -69,15 +69,6 @@ def _live_outputs(clear=True):
     held when the step began (``Storage.start``; ``clear``: a sync's pass clears it), from one
     pass over the storages."""
     outputs, held, starts = [], set(), []
-    PEEK[0] = True  # data still on the host stays there (Note [Deferred uploads])
-    try:
-        _walk(clear, outputs, held, starts)
-    finally:
-        PEEK[0] = False
-    return outputs, held, starts
-
-
-def _walk(clear, outputs, held, starts):
     add, append = held.add, outputs.append
     for st in live_storages():
         v = st.value
@@ -97,6 +88,7 @@ def _walk(clear, outputs, held, starts):
                 add(id(b[0]))
             elif b is not None:
                 add(id(b))
+    return outputs, held, starts
 
 
 def run(outputs, donate, held=None, learn=False, starts=None):

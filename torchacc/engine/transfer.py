@@ -68,19 +68,18 @@ def _count_upload(array, start):
 
 # Note [Deferred uploads]
 # In SPMD mode torch_xla's tensors live on one virtual device, and data moved there
-# (``t.to(device)``, ``torch.tensor(..., device=...)``) stays on the host until its layout is
-# known: ``mark_sharding`` then sends each device its shard only (one transfer, instead of a
-# replicated upload and a reshard), and any other use uploads it replicated: an op recording it
-# (lazy/record.py, while ``DEFERRED[0]`` counts any), a program or anything else reading its
-# ``buf``. A read (``.cpu()``) answers from the host copy without a transfer. ``Deferred`` is that
-# Value: its ``buf`` slot holds the CPU tensor and its ``buf`` property uploads it on first
-# access, after which the object becomes a plain ``Value`` (the same slots), so the engine's hot
-# paths never pay for it. A sync's walk over live storages peeks (``PEEK``): a Deferred answers
-# None there (no buffer yet) and stays on the host.
+# (``t.to(device)``, ``torch.tensor(..., device=...)``, a CPU fallback's result) stays on the host
+# until its layout is known: ``mark_sharding`` then sends each device its shard only (one
+# transfer, instead of a replicated upload and a reshard). Any other use uploads it replicated:
+# an op recording it (lazy/record.py, while ``DEFERRED[0]`` counts any), the next sync (its walk
+# over live storages reads every ``buf``, as torch_xla's sync uploads tensors that only have host
+# data), or anything else reading its ``buf``. A read (``.cpu()``) answers from the host copy
+# without a transfer. ``Deferred`` is that Value: its ``buf`` slot holds the CPU tensor and its
+# ``buf`` property uploads it on first access, after which the object becomes a plain ``Value``
+# (the same slots), so the engine's hot paths never pay for it.
 
 _BUF = Value.__dict__["buf"]  # the slot under the property
 DEFERRED = [0]  # Deferred Values still on the host
-PEEK = [False]  # set while a sync walks the live storages: no upload, no buffer
 # the arrays of replicated uploads, while they live: torch_xla gives data moved to the device and
 # never marked no sharding spec at all ('' rather than '{replicated}', torch_xla/_XLAC.py)
 uploaded = weakref.WeakValueDictionary()
@@ -103,8 +102,6 @@ class Deferred(Value):
 
     @property
     def buf(self):
-        if PEEK[0]:
-            return None
         return self.upload()
 
     @buf.setter

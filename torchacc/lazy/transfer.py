@@ -28,7 +28,7 @@ def upload(host, defer=False):
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    return fresh(upload(host.detach().contiguous()))
+    return fresh(upload(host.detach().contiguous(), defer=True))
 
 
 # the arrays of uploads, while they live: torch_xla gives data moved to the device and never
