@@ -429,3 +429,6 @@ def test_moved_data_stays_on_the_host_until_its_layout_is_known():
     spec = xs.ShardingSpec(mesh, ("data", None))
     (b,) = xm.send_cpu_data_to_device([torch.ones(4, 2)], DEV, input_sharding=spec)
     assert _XLAC._get_xla_sharding_spec(b) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
+    # torch_xla's error text, word for word, for placements of a tensor with no sharding
+    with pytest.raises(ValueError, match=r"^Placements not available: XLAShardedTensor requires"):
+        xs.XLAShardedTensor(torch.ones(2)).placements
