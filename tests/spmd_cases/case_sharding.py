@@ -431,4 +431,38 @@ def test_moved_data_stays_on_the_host_until_its_layout_is_known():
     assert _XLAC._get_xla_sharding_spec(b) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
     # torch_xla's error text, word for word, for placements of a tensor with no sharding
     with pytest.raises(ValueError, match=r"^Placements not available: XLAShardedTensor requires"):
-        xs.XLAShardedTensor(torch.ones(2)).placements
+        _ = xs.XLAShardedTensor(torch.ones(2)).placements
+
+
+def test_lowering_context_parameters_and_graph_hash():
+    """``_XLAC.lowering.LoweringContext``: the program of some pending tensors, its data
+    parameters (sharded, as device tensors without a transfer) and ``_get_graph_hash``."""
+    import torchacc.torch_xla.debug.metrics as met
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
+    a = torch.arange(8.0).reshape(2, 4).to(DEV)
+    xs.mark_sharding(a, mesh, ("x", "y"))
+    b = torch.ones(4).to(DEV)
+    r = a * 2 + b
+    met.clear_all()
+    ctx = _XLAC.lowering.LoweringContext("MyCustomName")
+    ctx.build([r])
+    text = ctx.hlo_text()
+    assert "HloModule jit_MyCustomName" in text and "sharding={devices=[2,2]0,1,2,3}" in text
+    assert isinstance(ctx.hlo(), bytes) and ctx.hlo()
+    mapping = ctx.device_parameter_id_tensor_mapping()
+    ia, ib = ctx.tensor_parameter_id(a), ctx.tensor_parameter_id(b)
+    assert sorted(mapping) == sorted([ia, ib]) and ctx.tensor_parameter_id(r) == -1
+    assert _XLAC._get_xla_sharding_spec(mapping[ia]) == "{devices=[2,2]0,1,2,3}"
+    assert met.counter_value("TransferFromDevice") is None  # the device mapping reads nothing
+    host = ctx.parameter_id_tensor_mapping()
+    assert torch.equal(host[ia], torch.arange(8.0).reshape(2, 4)) and host[ib].tolist() == [1] * 4
+    with pytest.raises(ValueError, match="additional_inputs_list"):
+        ctx.build([r], [a])
+    h = _XLAC._get_graph_hash([a * 2 + b])
+    assert isinstance(h, bytes) and len(h) == 16 and h == _XLAC._get_graph_hash([r])
+    assert h != _XLAC._get_graph_hash([a * 2 - b])
+    c = torch.arange(8.0).reshape(2, 4).to(DEV) + 0  # same ops, a replicated input
+    assert _XLAC._get_graph_hash([c * 2 + b]) != _XLAC._get_graph_hash([a * 2 + b])
+    torchacc.sync()
+    assert torch.equal(r.cpu(), torch.arange(8.0).reshape(2, 4) * 2 + 1)

@@ -22,7 +22,9 @@ import torch
 
 import torchacc
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.torch_xla import _xlac_lowering as lowering  # noqa: F401  (LoweringContext)
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
+from torchacc.torch_xla._xlac_lowering import _get_graph_hash  # noqa: F401
 from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls)
     _clear_xla_counters,
     _clear_xla_metrics,

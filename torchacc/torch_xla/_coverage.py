@@ -285,6 +285,8 @@ API = {
         "_get_xla_tensor_debug_info",
         "_get_xla_tensor_dimension_size",
         "_unsafe_buffer_pointer",
+        "_get_graph_hash",
+        "lowering",
         "_set_buffer_donation",
         "_get_buffer_donation",
         "OpSharding",

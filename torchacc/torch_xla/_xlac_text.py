@@ -93,6 +93,24 @@ def _get_xla_tensors_hlo(tensors):
     ``custom_call_target="Sharding"`` (Note [HLO text like torch_xla's]). Tensors with nothing
     pending give the program that returns their data (their parameters and shardings)."""
     import jax
+
+    fn, args, _ = program_of_tensors(tensors)
+    if fn is None:
+        return ""
+    lowered = jax.jit(fn).lower(*args)
+    if os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true"):
+        # torch_xla's switch for the optimized program: here XLA's compiled (partitioned) HLO
+        return _v1_shardings(lowered.compile().as_text(), _device_assignment(lowered))
+    module = lowered.compiler_ir(dialect="hlo").get_hlo_module()
+    text = _names_by_opcode(module.to_string(_hlo_print_options()))
+    return _v1_shardings(text, _device_assignment(lowered))
+
+
+def program_of_tensors(tensors):
+    """``(fn, args, params)``: the program computing the pending ``tensors`` and its arguments
+    (the float64 and int64 runtime scalar vectors, then the packs' and loose inputs' arrays), or,
+    with nothing pending, the program returning their data; ``params`` has per argument what it
+    holds (a scalar vector: None, a pack, a data Value). ``(None, [], [])`` for no data."""
     import numpy as np
 
     from torchacc import program as compiler
@@ -104,22 +122,19 @@ def _get_xla_tensors_hlo(tensors):
         graph = compiler.Graph(pending)
         args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
         args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical, padded
-        fn = program_of(graph)
-    else:
-        args = list({id(v.array): v.array for v in values if v.array is not None}.values())
-        if not args:
-            return ""
+        return program_of(graph), args, [None, None, *graph.packs, *graph.loose]
+    seen = {}
+    for v in values:
+        a = v.array
+        if a is not None and id(a) not in seen:
+            seen[id(a)] = (a, v)
+    if not seen:
+        return None, [], []
 
-        def fn(*arrays):
-            return list(arrays)
+    def fn(*arrays):
+        return list(arrays)
 
-    lowered = jax.jit(fn).lower(*args)
-    if os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true"):
-        # torch_xla's switch for the optimized program: here XLA's compiled (partitioned) HLO
-        return _v1_shardings(lowered.compile().as_text(), _device_assignment(lowered))
-    module = lowered.compiler_ir(dialect="hlo").get_hlo_module()
-    text = _names_by_opcode(module.to_string(_hlo_print_options()))
-    return _v1_shardings(text, _device_assignment(lowered))
+    return fn, [a for a, _ in seen.values()], [v for _, v in seen.values()]
 
 
 # Note [HLO text like torch_xla's]
