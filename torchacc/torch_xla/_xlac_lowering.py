@@ -12,6 +12,7 @@ parameter mappings hold only the data parameters, as device tensors (no transfer
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 from torchacc.torch_xla._api import differs
 from torchacc.torch_xla._xlac_text import _values, program_of_tensors
@@ -37,7 +38,7 @@ class LoweringContext:
         self._fn = None
         self._args = []
         self._params = []
-        self._names = {}
+        self._names = weakref.WeakKeyDictionary()  # tensor -> name
 
     def build(self, tensors, additional_inputs_list=()):
         """Lower the pending graph computing ``tensors`` (data tensors: the program returning
@@ -119,14 +120,10 @@ class LoweringContext:
         return -1
 
     def set_name_string(self, tensor, name):
-        from torchacc.torch_xla._XLAC import _xla_get_tensor_id
-
-        self._names[_xla_get_tensor_id(tensor)] = str(name)
+        self._names[tensor] = str(name)
 
     def get_name_string(self, tensor):
-        from torchacc.torch_xla._XLAC import _xla_get_tensor_id
-
-        return self._names.get(_xla_get_tensor_id(tensor), "")
+        return self._names.get(tensor, "")
 
 
 def _get_graph_hash(tensors):
