@@ -466,3 +466,37 @@ def test_lowering_context_parameters_and_graph_hash():
     assert _XLAC._get_graph_hash([c * 2 + b]) != _XLAC._get_graph_hash([a * 2 + b])
     torchacc.sync()
     assert torch.equal(r.cpu(), torch.arange(8.0).reshape(2, 4) * 2 + 1)
+
+
+def test_graph_dumps_to_xla_save_tensors_file(tmp_path, monkeypatch):
+    """``XLA_SAVE_TENSORS_FILE``/``_FMT=hlo``: each sync appends its graph and the layouts its
+    outputs got, in torch_xla's layout (``<file>.0``)."""
+    from torchacc.torch_xla import _graph_dump
+
+    base = tmp_path / "graphs.txt"
+    monkeypatch.setenv("XLA_SAVE_TENSORS_FILE", str(base))
+    monkeypatch.setenv("XLA_SAVE_TENSORS_FMT", "hlo")
+    mesh = xs.Mesh(np.arange(4), (1, 4), ("x", "y"))
+    x = torch.ones(8, 32).to(DEV)
+    y = torch.ones(8, 32).to(DEV)
+    xs.mark_sharding(x, mesh, (0, 1))
+    torchacc.sync()  # uploads only: no graph
+    _graph_dump.install()
+    try:
+        r = x + y
+        torchacc.sync()
+        torchacc.sync()  # nothing pending: nothing written
+        r = r * 2
+        torchacc.sync()
+    finally:
+        _graph_dump.uninstall()
+    text = (tmp_path / "graphs.txt.0").read_text()
+    assert text.count("[ScheduleSyncTensorsGraph]") == 2 and text.count("## END_GRAPH") == 2
+    assert "parameter(0), sharding={devices=[1,4]0,1,2,3}" in text and "add(" in text
+    lines = text.splitlines(keepends=True)
+    assert lines[-2] == "#OUTPUT_SHARDING_END\n", lines[-4:]
+    assert "\n#OUTPUT_SHARDING_BEGIN\n\nf32[8,32] {devices=[1,4]0,1,2,3}\n" in text
+    assert r.tolist() == [[4.0] * 32] * 8
+    r = r + 1
+    torchacc.sync()  # uninstalled: nothing more
+    assert (tmp_path / "graphs.txt.0").read_text() == text

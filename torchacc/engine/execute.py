@@ -63,6 +63,17 @@ def fetch(value, dtype):
     return read(value.array, dtype)
 
 
+# called with a sync's pending outputs before its graph runs (say torch_xla's graph dumps,
+# XLA_SAVE_TENSORS_FILE); each may return a function to call once the graph ran
+_graph_observers: list = []
+
+
+def observe_graphs(fn):
+    """Call ``fn(outputs)`` at every sync that runs a graph, with its pending output Values,
+    before it runs; a function ``fn`` returns is called after it ran."""
+    _graph_observers.append(fn)
+
+
 def _live_outputs(clear=True):
     """The pending Values of live storages (a sync's outputs, in storage creation order), the
     ids of every Value and array some live storage holds, and per output the Value its storage
@@ -170,11 +181,15 @@ def sync(wait=False):
     outputs, held, starts = _live_outputs()
     explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
+        after = [fn(outputs) for fn in _graph_observers] if _graph_observers else ()
         launch = known.match(outputs, held, precision.key(), starts)
         if launch is not None:
             _run_known(launch, outputs)
         else:
             run(outputs, donate=True, held=held, learn=True, starts=starts)
+        for fn in after:
+            if fn is not None:
+                fn()
     known.next_step()
     _gc_after_sync()
     if wait:
