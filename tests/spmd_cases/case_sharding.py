@@ -379,6 +379,19 @@ def test_mp_device_loader_input_sharding():
         next(iter(pl.MpDeviceLoader(batches, DEV, input_sharding={"x": spec["x"]})))
 
 
+def test_minibatch_loader_needs_a_batch_the_local_devices_divide():
+    """``ShardingSpec(minibatch=True)``: each host's batch is split over its devices; 3 rows on
+    4 devices is torch_xla's RuntimeError, 8 rows are laid out."""
+    from torchacc.torch_xla.distributed import parallel_loader as pl
+
+    mesh = xs.get_1d_mesh("data")
+    spec = xs.ShardingSpec(mesh, ("data", None), minibatch=True)
+    with pytest.raises(RuntimeError, match=r"per-host batch size must be divisible by local "):
+        next(iter(pl.MpDeviceLoader([torch.zeros(3, 2)], DEV, input_sharding=spec)))
+    data = next(iter(pl.MpDeviceLoader([torch.ones(8, 2)], DEV, input_sharding=spec)))
+    assert _XLAC._get_xla_sharding_spec(data) == "{devices=[4,1]0,1,2,3}"
+
+
 def test_moved_data_stays_on_the_host_until_its_layout_is_known():
     """torch_xla's virtual device (Note [Deferred uploads] in torchacc/engine/transfer.py):
     ``.to(device)`` keeps the data on the host; ``mark_sharding`` sends each device its shard
