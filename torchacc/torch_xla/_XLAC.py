@@ -37,6 +37,11 @@ from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls
     _xla_metric_names,
     _xla_metrics_report,
 )
+from torchacc.torch_xla._xlac_preemption import (  # noqa: F401  (the preemption sync point)
+    _activate_preemption_sync_manager,
+    _deactivate_preemption_sync_manager,
+    _sync_point_reached,
+)
 from torchacc.torch_xla._xlac_text import (  # noqa: F401  (the IR and HLO text calls)
     _desc_text,
     _get_xla_tensors_hlo,
