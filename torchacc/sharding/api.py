@@ -326,8 +326,8 @@ def sharding_of(t):
     if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
         return None
     value = value_of(t)
-    if transfer.is_deferred(value):  # on the host, laid out once marked (Note [Deferred uploads])
-        return getattr(t, "_torchacc_sharding", None)
+    if transfer.is_deferred(value):  # still on the host (Note [Deferred uploads]): it goes up
+        return runtime_mesh.replicated()  # replicated unless a mark lays it out first
     if value.node is None and isinstance(value.buf, jax.Array):
         return value.buf.sharding
     mark = getattr(t, "_torchacc_sharding", None)
