@@ -74,9 +74,11 @@ def _count_upload(array, start):
 # an op recording it (lazy/record.py, while ``DEFERRED[0]`` counts any), the next sync (its walk
 # over live storages reads every ``buf``, as torch_xla's sync uploads tensors that only have host
 # data), or anything else reading its ``buf``. A read (``.cpu()``) answers from the host copy
-# without a transfer. ``Deferred`` is that Value: its ``buf`` slot holds the CPU tensor and its
-# ``buf`` property uploads it on first access, after which the object becomes a plain ``Value``
-# (the same slots), so the engine's hot paths never pay for it.
+# without a transfer. A device loader (``MpDeviceLoader``/``ParallelLoader``) uploads every
+# tensor still waiting when it is created (``upload_waiting``): the training loop it feeds starts
+# there, so its steps' transfers are its batches. ``Deferred`` is that Value: its ``buf`` slot
+# holds the CPU tensor and its ``buf`` property uploads it on first access, after which the
+# object becomes a plain ``Value`` (the same slots), so the engine's hot paths never pay for it.
 
 _BUF = Value.__dict__["buf"]  # the slot under the property
 DEFERRED = [0]  # Deferred Values still on the host
@@ -151,6 +153,16 @@ def defer(host):
     stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
     small = exact and stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS
     return Deferred(host, host if small else None)  # the same copy as upload() keeps
+
+
+def upload_waiting():
+    """Upload, replicated, every live tensor's data still on the host (Note [Deferred
+    uploads])."""
+    if not DEFERRED[0]:
+        return
+    from torchacc.ir import live_storages
+
+    materialize([st.value for st in live_storages()])
 
 
 def materialize(values):
