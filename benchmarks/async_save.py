@@ -16,7 +16,9 @@ device it includes the on-device copy, Note [Asynchronous saves] in
 torchacc/distributed/checkpoint.py), and where the CPU went: the process's CPU seconds per normal
 step and per step during a save (all threads), the writer thread's CPU seconds per save, the
 ``save_async`` call's own time on the training thread. ``--sync`` measures ``save`` (the
-blocking one) instead, for comparison.
+blocking one) instead, for comparison; ``--writer-nice N`` sets ``CheckpointManager``'s
+``writer_nice`` (0: the writer at the training's priority); ``--no-crc32`` turns off torch.save's
+zip CRC-32s for the whole process.
 """
 
 from __future__ import annotations
@@ -81,7 +83,23 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--sync", action="store_true", help="blocking saves, for comparison")
     p.add_argument("--dir", default=None)
+    p.add_argument(
+        "--writer-nice",
+        type=int,
+        default=None,
+        help="CheckpointManager's writer_nice (default: its default; 0: the training's priority)",
+    )
+    p.add_argument(
+        "--no-crc32",
+        action="store_true",
+        help="torch.save without zip CRC-32s (torch.utils.serialization.config.save."
+        "compute_crc32 = False, process-wide: torch.load does not check them)",
+    )
     args = p.parse_args(argv)
+    if args.no_crc32:
+        import torch.utils.serialization.config as serialization
+
+        serialization.save.compute_crc32 = False
     overrides = {k: v for k, v in (("n_layer", args.n_layer), ("n_embd", args.n_embd)) if v}
     if "n_embd" in overrides:
         overrides["n_head"] = max(1, overrides["n_embd"] // 64)
@@ -93,7 +111,8 @@ def main(argv=None):
     opt = prime_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-4))
     vocab = model.config.vocab_size
     directory = args.dir or tempfile.mkdtemp(prefix="async_save_")
-    mgr = CheckpointManager(directory, save_interval=args.save_every, max_to_keep=1)
+    nice = {} if args.writer_nice is None else {"writer_nice": args.writer_nice}
+    mgr = CheckpointManager(directory, save_interval=args.save_every, max_to_keep=1, **nice)
     shard_bytes = sum(t.numel() * t.element_size() for t in model.state_dict().values())
     shard_bytes += sum(
         v.numel() * v.element_size()
@@ -180,6 +199,8 @@ def main(argv=None):
         "batch": args.batch,
         "seq": args.seq,
         "mode": "save" if args.sync else "save_async",
+        "writer_nice": mgr.writer_nice,
+        "crc32": not args.no_crc32,
         "normal_step_s": round(normal, 4),
         "steps_during_saves": len(during),
         "during_save_median_s": round(statistics.median(during), 4) if during else None,

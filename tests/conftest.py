@@ -96,6 +96,17 @@ def pytest_terminal_summary(terminalreporter):
 # tools/suite_cpu.py sums them per file.
 
 
+def pytest_configure(config):
+    # pytest collects garbage 5 times when a session ends (to report unraisable exceptions). With
+    # torch, JAX and a few hundred compiled programs alive each collection takes ~1 s, and every
+    # case file run in its own pytest process (tests/spmd_launch.py) pays it too: collect once.
+    try:
+        from _pytest.unraisableexception import gc_collect_iterations_key
+    except ImportError:  # another pytest: its default
+        return
+    config.stash[gc_collect_iterations_key] = 1
+
+
 def pytest_addoption(parser):
     parser.addoption(
         "--cpu-times",

@@ -33,6 +33,8 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import prewarmed
+
 ROOT = Path(__file__).resolve().parent.parent
 DIRECTIVE = re.compile(r"^\s*<!--\s*docs:\s*(?P<body>.*?)\s*-->\s*$")
 FENCE = re.compile(r"^(?P<indent>\s*)(?P<fence>`{3,}|~{3,})\s*(?P<info>[^`\s]*)")
@@ -188,14 +190,17 @@ def run_page(blocks: list[Block], workdir: str, timeout: float = 300) -> tuple[i
             json.dump([[b.page, b.line, b.code] for b in group], f)
         cmd = [*(_launcher(launch) if launch else [sys.executable]), __file__, "--exec", spec]
         try:
-            p = subprocess.run(
-                cmd,
-                cwd=workdir,
-                env=_env(devices),
-                capture_output=True,
-                text=True,
-                timeout=timeout,
-            )
+            if cmd[0] == sys.executable and cmd[1] == __file__:  # Note [Pre-warmed test processes]
+                p = prewarmed.run(cmd[1:], _env(devices), workdir, timeout)
+            else:
+                p = subprocess.run(
+                    cmd,
+                    cwd=workdir,
+                    env=_env(devices),
+                    capture_output=True,
+                    text=True,
+                    timeout=timeout,
+                )
         except subprocess.TimeoutExpired as e:
             raise AssertionError(f"{group[0].where}: docs blocks ran past {timeout:.0f} s") from e
         text = p.stdout + p.stderr

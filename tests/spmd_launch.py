@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 
+import prewarmed
 from distributed_launch import env, free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -46,8 +47,11 @@ def run_cases(name, devices=4, extra_env=None, timeout=600):
     """Run ``spmd_cases/<name>`` under pytest with ``devices`` CPU devices; its stdout."""
     case_env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices))
     case_env.update({k: str(v) for k, v in (extra_env or {}).items()})
-    cmd = [sys.executable, "-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
-    proc = _run([*cmd, "-p", "no:xdist", os.path.join(CASES, name)], case_env, timeout)
+    cmd = ["-m", "pytest", "-o", "addopts=", "-q", "-p", "no:cacheprovider"]
+    # Note [Pre-warmed test processes] in tests/prewarmed.py
+    proc = prewarmed.run(
+        [*cmd, "-p", "no:xdist", os.path.join(CASES, name)], case_env, REPO, timeout
+    )
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout, proc.stdout[-3000:]
     return proc.stdout

@@ -3,10 +3,10 @@
 import json
 import math
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -18,14 +18,7 @@ def _run(code_or_args, timeout=240):
         JAX_PLATFORMS="cpu",
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
     )
-    return subprocess.run(
-        [sys.executable, *code_or_args],
-        cwd=ROOT,
-        env=env,
-        timeout=timeout,
-        capture_output=True,
-        text=True,
-    )
+    return prewarmed.run([*code_or_args], env=env, cwd=ROOT, timeout=timeout)
 
 
 def test_alias_resolves_torch_xla_modules():

@@ -3,9 +3,8 @@ torchacc/lowering/dtypes.py): narrower storage on the device, torch dtypes uncha
 are read once per process, so each case runs in a fresh one (tests/device_dtypes_case.py)."""
 
 import os
-import subprocess
-import sys
 
+import prewarmed
 import pytest
 
 import torchacc
@@ -19,13 +18,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_flags_narrow_device_storage_with_eager_numerics(case):
     env = {k: v for k, v in os.environ.items() if not k.startswith("XLA_")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, os.path.join(REPO, "tests", "device_dtypes_case.py"), case],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO,
-        env=env,
+    proc = prewarmed.run(
+        [os.path.join(REPO, "tests", "device_dtypes_case.py"), case], env=env, cwd=REPO, timeout=300
     )
     assert proc.returncode == 0 and "device dtypes ok" in proc.stdout, proc.stderr[-4000:]
 

@@ -6,10 +6,9 @@ and compares what they print (Note [torchacc is not torch.accelerator] in torcha
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,14 +23,7 @@ def _run(snippet, with_torchacc, env_extra=None):
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         **(env_extra or {}),
     )
-    proc = subprocess.run(
-        [sys.executable, "-c", header + snippet],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = prewarmed.run(["-c", header + snippet], env=env, cwd=ROOT, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

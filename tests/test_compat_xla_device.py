@@ -7,6 +7,7 @@ torchacc/lazy/op_counters.py's.
 import functools
 import re
 
+import prewarmed
 import pytest
 import torch
 
@@ -21,16 +22,10 @@ def test_xla_strings_reach_the_torchacc_device_with_eager_numerics():
     leaves the process in a state where a later backward through ``torch.stft`` fails inside
     torch's autograd engine (SystemError; README limits), which would break other tests."""
     import os
-    import subprocess
-    import sys
 
     case = os.path.join(os.path.dirname(os.path.abspath(__file__)), "xla_device_strings_case.py")
-    proc = subprocess.run(
-        [sys.executable, case],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    proc = prewarmed.run(
+        [case], cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=300
     )
     assert proc.returncode == 0 and "xla strings ok" in proc.stdout, proc.stderr[-4000:]
 

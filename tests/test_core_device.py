@@ -2,10 +2,10 @@
 
 import copy
 import os
-import subprocess
 import sys
 import textwrap
 
+import prewarmed
 import pytest
 import torch
 from compile_counts import new_graphs
@@ -237,9 +237,7 @@ _SCRIPT = textwrap.dedent("""
 
 
 def _run_script(env, script=_SCRIPT):
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
-    )
+    out = prewarmed.run(["-c", script], env=env, timeout=120)
     assert out.returncode == 0, out.stderr
     return out
 
@@ -255,6 +253,25 @@ def test_persistent_cache_survives_restart(tmp_path):
     second = _run_script(env).stdout.split("RESULT")[1].split()
     assert first[-2] != "None" and first[-1] == "None"  # compiled, no hit
     assert second[-2] == "None" and second[-1] != "None"  # nothing compiled, all from disk
+
+
+def test_heap_is_trimmed_only_after_a_long_uncached_compile(monkeypatch):
+    """Note [Giving a compile's memory back]: ``malloc_trim`` walks the whole C heap, so it runs
+    after a compile of at least TRIM_AFTER_COMPILE_S that missed the persistent cache, never after
+    a small one."""
+    from torchacc.program import cache
+
+    trims = []
+    monkeypatch.setattr(cache, "release_freed_memory", lambda: trims.append(1))
+    x = torch.arange(6.0).to(DEV)
+    monkeypatch.setattr(cache, "TRIM_AFTER_COMPILE_S", 1e9)
+    assert (x * 3.5 + 0.25).cpu().tolist() == [(v * 3.5 + 0.25) for v in range(6)]
+    assert trims == []  # compiled (a new program), but not for long
+    monkeypatch.setattr(cache, "TRIM_AFTER_COMPILE_S", 0.0)
+    uncached = metrics.counter_value("UncachedCompile") or 0
+    assert (x * 4.5 - 0.75).cpu().tolist() == [(v * 4.5 - 0.75) for v in range(6)]
+    missed = (metrics.counter_value("UncachedCompile") or 0) - uncached
+    assert trims == [1] * missed  # a program loaded from the persistent cache frees nothing
 
 
 def test_step_graph_is_freed_by_reference_counting():

@@ -14,6 +14,7 @@ import sys
 import textwrap
 import warnings
 
+import prewarmed
 import pytest
 import torch
 
@@ -42,14 +43,7 @@ def _run(tmp_path, script, debug=False):
     env.pop("TORCHACC_DEBUG", None)
     if debug:
         env["TORCHACC_DEBUG"] = "1"
-    out = subprocess.run(
-        [sys.executable, str(path)],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=180,
-    )
+    out = prewarmed.run([str(path)], env=env, cwd=tmp_path, timeout=180)
     assert out.returncode == 0, out.stderr
     return out, path.read_text().splitlines()
 

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import copy
 import os
-import subprocess
-import sys
 import textwrap
 
+import prewarmed
 import pytest
 import torch
 import torch.nn.functional as F
@@ -278,9 +277,7 @@ def test_debug_says_where_a_step_left_its_known_stream(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(os.path.dirname(torchacc.__file__)), env.get("PYTHONPATH", "")]
     )
-    proc = subprocess.run(
-        [sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = prewarmed.run([str(script)], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "known step: op #1 is aten.exp.default, the known step had mark_step there" in (
         proc.stderr

@@ -6,6 +6,7 @@ import os
 import pathlib
 import sys
 
+import prewarmed
 import pytest
 import torch
 import torch.nn as nn
@@ -171,11 +172,8 @@ def test_hf_model_from_config_trains_like_eager():
     shows alone or with its file (state left by another test on the same worker, not found yet;
     see the session note), so the suite checks it where nothing else ran before."""
     if os.environ.get("TORCHACC_TEST_ISOLATED") != "1":
-        import subprocess
-
-        proc = subprocess.run(
+        proc = prewarmed.run(
             [
-                sys.executable,
                 "-m",
                 "pytest",
                 "-o",
@@ -186,8 +184,6 @@ def test_hf_model_from_config_trains_like_eager():
                 f"{__file__}::test_hf_model_from_config_trains_like_eager",
             ],
             env=dict(os.environ, TORCHACC_TEST_ISOLATED="1"),
-            capture_output=True,
-            text=True,
             timeout=300,
         )
         assert proc.returncode == 0 and " passed" in proc.stdout, proc.stdout[-4000:]
@@ -372,8 +368,6 @@ def test_backend_name_works_without_importing_torchacc():
 
     if not any(e.name == "torchacc" for e in entry_points(group="torch_dynamo_backends")):
         pytest.skip("torchacc is not installed (pip install -e .): no entry point to load")
-    import subprocess
-    import sys
 
     code = (
         "import sys, torch\n"
@@ -388,7 +382,5 @@ def test_backend_name_works_without_importing_torchacc():
         "print(abs(float(f(x)) - float((x.sin() * 2).sum())) < 1e-5)\n"
     )
     for mode in ("entry-point", "import-first", "submodules-first"):
-        out = subprocess.run(
-            [sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=300
-        )
+        out = prewarmed.run(["-c", code, mode], timeout=300)
         assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]

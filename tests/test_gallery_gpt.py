@@ -152,3 +152,46 @@ def test_resume_equals_uninterrupted(tmp_path):
         assert a["losses"] + b["losses"] == f["losses"]
     else:
         assert a["losses"] + b["losses"] == pytest.approx(f["losses"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "gpt-tiny",
+        "llama-tiny",
+        "llama-tiny packed",
+        "gpt-tiny kernels",
+        "llama-tiny packed kernels",
+    ],
+)
+def test_gallery_models_split_into_pipeline_stages_like_eager(name):
+    """The gallery's GPT-2 and LLaMA (also with --kernel-opt's torchacc_ops) trace with torch.fx
+    as the pipeline's splitter does (the length and position-id checks and the kernels are call
+    nodes, not control flow on a traced value), cut evenly before their blocks: the stages run
+    one after another on the host give the eager model's logits exactly, and a sequence past the
+    block size is still the ValueError."""
+    from gallery.common.frontdoors.pipeline import BatchInputs, even_split_points
+    from gallery.llama.model import build_llama
+    from torchacc.pipeline.stages import Stages
+
+    torch.manual_seed(0)
+    packed, kernels = "packed" in name, "kernels" in name
+    gpt = name.startswith("gpt")
+    model = build_gpt("gpt-tiny", kernels) if gpt else build_llama("llama-tiny", kernels)
+    wrapped = BatchInputs(model, 2 if packed else 1)
+    points = even_split_points(wrapped, 2)
+    assert points == ["model.h.1" if gpt else "model.layers.1"]
+    split = Stages(wrapped, points)
+    idx = torch.randint(0, 512, (2, 16))
+    inputs = {"idx": idx}
+    if packed:
+        inputs["position_ids"] = torch.cat([torch.arange(5), torch.arange(11)]).repeat(2, 1)
+    handed = split.run(0, {}, inputs)
+    values = dict(zip(split.boundaries[0], handed))
+    logits = split.run(1, values, inputs)
+    with torch.no_grad():
+        torch.testing.assert_close(logits, model(*inputs.values()), rtol=0, atol=0)
+    with pytest.raises(ValueError, match="sequence length 65 > block_size 64"):
+        split.run(0, {}, {"idx": torch.zeros(1, 65, dtype=torch.long)})
+    with pytest.raises(ValueError, match="2 pipeline stages need at least 2 blocks"):
+        even_split_points(BatchInputs(build_gpt("gpt-tiny", n_layer=1), 1), 2)

@@ -9,10 +9,9 @@ hold the device RNG state, and that torch_xla's metrics show the compiles being 
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
+import prewarmed
 import pytest
 
 pytest.importorskip("transformers")
@@ -36,9 +35,7 @@ def _run(args, timeout=900):
         PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
         TRANSFORMERS_VERBOSITY="error",
     )
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    proc = prewarmed.run([*args], env=env, cwd=ROOT, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 

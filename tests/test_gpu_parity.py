@@ -9,9 +9,8 @@ worker eager-CPU vs XLA:CPU so it cannot rot on machines without a GPU.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
+import prewarmed
 import pytest
 from conftest import cuda_device_count
 from gallery_harness import ROOT, child_env
@@ -23,14 +22,7 @@ GRAD_TOL = 5e-4  # max |diff| / the parameter's largest gradient (see the worker
 
 
 def _run(model, device, env):
-    p = subprocess.run(
-        [sys.executable, str(WORKER), model, f"--device={device}"],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
+    p = prewarmed.run([str(WORKER), model, f"--device={device}"], env=env, cwd=ROOT, timeout=540)
     assert p.returncode == 0, p.stderr[-6000:]
     line = next(ln for ln in p.stdout.splitlines() if ln.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])

@@ -286,7 +286,36 @@ def test_mpirun_one_launcher_per_node_with_several_processes_each(tmp_path):
             ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--cp", "4", "--seq_len", "12"],
             "not divisible by 2 * cp (the causal ring's zig-zag halves) = 8",
         ),
-        (["--model", "gpt-tiny", "--pp", "2"], "--pp 2: pipeline parallel is not wired"),
+        (["--model", "gpt-tiny", "--pp", "2"], "--pp 2 needs --fsdp --compiler-opt"),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--tp", "2"],
+            "--tp 2 --pp 2: the launcher's pipeline does not compose with --tp/--cp yet",
+        ),
+        (
+            [
+                "--model",
+                "gpt-tiny",
+                "--fsdp",
+                "--compiler-opt",
+                "--pp",
+                "2",
+                "--nproc_per_node",
+                "2",
+            ],
+            "--pp 2: one process drives every stage for now",
+        ),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--scan-layers"],
+            "--pp 2 --scan-layers: the pipeline cuts between blocks",
+        ),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--save_dir", "d"],
+            "--pp 2 --save_dir: checkpoints of the pipeline's packed stage parameters",
+        ),
+        (
+            ["--model", "gpt-tiny", "--num_micro_batches", "2"],
+            "--num_micro_batches / --pp_schedule apply to pipeline parallel: add --pp N",
+        ),
     ],
 )
 def test_parallel_axes_flags_are_checked_before_workers_start(argv, message, capsys):

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import prewarmed
 import pytest
 import torch
 
@@ -80,9 +79,7 @@ def test_second_run_of_a_script_compiles_nothing(tmp_path):
     )
     runs = []
     for _ in range(2):
-        out = subprocess.run(
-            [sys.executable, "-c", _TWICE], env=env, capture_output=True, text=True, timeout=180
-        )
+        out = prewarmed.run(["-c", _TWICE], env=env, timeout=180)
         assert out.returncode == 0, out.stderr[-3000:]
         runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
     (v1, uncached1, hits1), (v2, uncached2, hits2) = runs

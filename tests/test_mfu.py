@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 
+import prewarmed
 import pytest
 import torch
 
@@ -166,9 +165,7 @@ def test_spmd_step_flops_are_per_device():
     """A step whose batch is split over 4 devices: its program's FLOPs are one device's share
     (the matmuls / 4; the replicated update is small), what MFU per device divides."""
     env = dict(os.environ, CPU_NUM_DEVICES="4", JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", _SPMD_STEP], env=env, capture_output=True, text=True, timeout=120
-    )
+    proc = prewarmed.run(["-c", _SPMD_STEP], env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     line = next(ln for ln in proc.stdout.splitlines() if ln.startswith("FLOPS "))
     per_device = json.loads(line[6:])
@@ -225,9 +222,8 @@ def test_gpu_check_smoke_one_run(tmp_path):
     """benchmarks/gpu_check.py --smoke: one run end to end on the CPU, its row and table."""
     out = tmp_path / "gc"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
-    proc = subprocess.run(
+    proc = prewarmed.run(
         [
-            sys.executable,
             os.path.join(ROOT, "benchmarks", "gpu_check.py"),
             "--smoke",
             "--no_plan",
@@ -239,8 +235,6 @@ def test_gpu_check_smoke_one_run(tmp_path):
             "1",
         ],
         env=env,
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

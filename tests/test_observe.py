@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 
+import prewarmed
 import pytest
 from gallery_harness import ROOT, child_env, launcher_checks, read_tensorboard, run_launcher
 
@@ -111,12 +112,10 @@ def test_tensorboard_without_a_writer_package_is_one_line():
         f"sys.argv = ['launch_single_task.py', *sys.argv[1:]]; "
         f"runpy.run_path({str(ROOT / 'launch_single_task.py')!r}, run_name='__main__')"
     )
-    p = subprocess.run(
-        [sys.executable, "-c", code, "--model=gpt-tiny", "--tensorboard", "tb"],
-        cwd=ROOT,
+    p = prewarmed.run(
+        ["-c", code, "--model=gpt-tiny", "--tensorboard", "tb"],
         env=child_env(),
-        capture_output=True,
-        text=True,
+        cwd=ROOT,
         timeout=60,
     )
     assert _one_error_line(p) == (

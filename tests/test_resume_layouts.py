@@ -6,9 +6,9 @@ takes the same global batch (tests/spmd_cases/resume_layout_worker.py)."""
 
 import json
 import os
-import subprocess
 import sys
 
+import prewarmed
 import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -22,12 +22,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("resume_layouts")]
 
 def _run(devices, ckpt, out, *flags):
     env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), JAX_PLATFORMS="cpu")
-    proc = subprocess.run(
-        [sys.executable, WORKER, str(ckpt), str(out), "--steps", "6", *flags],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = prewarmed.run(
+        [WORKER, str(ckpt), str(out), "--steps", "6", *flags], env=env, timeout=300
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads(out.read_text())

@@ -24,7 +24,9 @@ def test_switching_to_spmd_after_tensors_exist_on_4_devices():
 def test_per_process_all_reduce_next_to_sharding_in_one_step(tmp_path):
     """2 processes x 2 devices: FSDP over each process's devices and xm.all_reduce across the
     processes (a manual region over the process axis) in one step, equal to eager on the global
-    batch, one program after step 2."""
+    batch, one program after step 2. Then blocking dist.send/recv between the processes (Note
+    [Send and receive in SPMD mode]): each process's own value arrives, replicated or split over
+    the receiver's devices; a buffer of another layout is a ValueError on both."""
     import json
 
     from spmd_launch import torchrun_case
@@ -36,3 +38,7 @@ def test_per_process_all_reduce_next_to_sharding_in_one_step(tmp_path):
         r = json.loads((tmp_path / f"r.{rank}.json").read_text())
         assert max(r["errs"]) <= 1e-5, r
         assert r["graphs"][2:] == [0, 0], r
+        want = [["replicated", True]]
+        if rank == 0:
+            want += [["split", True], ["layout", "P('fsdp', None)"]]
+        assert r["p2p"] == want + [["other layout", True]], r["p2p"]

@@ -7,6 +7,7 @@ import logging
 import re
 import warnings
 
+import prewarmed
 import pytest
 import torch
 
@@ -295,8 +296,6 @@ def test_syncfree_optimizers_under_ta():
 
 
 def test_cuda_autocast_mirroring_can_be_switched_off():
-    import subprocess
-    import sys
 
     from tests.distributed_launch import env
 
@@ -308,12 +307,6 @@ def test_cuda_autocast_mirroring_can_be_switched_off():
         "    with torch.autocast('cuda', dtype=torch.bfloat16):\n"
         "        print((a @ a).dtype, any('Disabling autocast' in str(x.message) for x in w))\n"
     )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env(TORCHACC_PATCH_TORCH_AUTOCAST="0"),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = prewarmed.run(["-c", code], env=env(TORCHACC_PATCH_TORCH_AUTOCAST="0"), timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["torch.float32", "True"]  # torch's own behaviour, untouched

@@ -31,65 +31,25 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import _resume_procs as rp
+
+ROOT = rp.ROOT
 WORKER = os.path.join(ROOT, "tests", "spmd_cases", "resume_mp_worker.py")
 SOURCE = (2, 2)
 EAGER_WORKER = os.path.join(ROOT, "tests", "resume_eager_worker.py")
 EAGER_SOURCE = (4, 1)
 
 
-def _free_port():
-    import socket
-
-    for _ in range(100):  # P for torchrun's store, P+1 for the JAX coordinator
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two adjacent free ports")
-
-
 def launch(workdir, role, procs, devices, timeout=400, worker=WORKER):
     """Run ``worker`` as ``procs`` processes of ``devices`` CPU devices; (returncode, output)."""
-    env = dict(os.environ, PJRT_DEVICE="CPU", CPU_NUM_DEVICES=str(devices), JAX_PLATFORMS="cpu")
-    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-    env["OMP_NUM_THREADS"] = "1"
-    if worker == EAGER_WORKER:  # torch's own gloo job; torchacc's device is not used
-        env["TORCHACC_DISTRIBUTED"] = "0"
-    for k in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    cmd = [sys.executable]
-    if procs > 1:
-        cmd += ["-m", "torch.distributed.run", f"--nproc_per_node={procs}"]
-        cmd += ["--master_addr=127.0.0.1", f"--master_port={_free_port()}"]
-    proc = subprocess.Popen(
-        [*cmd, worker, str(workdir), role],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        import signal
-
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        return 124, out
-    return proc.returncode, out
+    extra = {"TORCHACC_DISTRIBUTED": "0"} if worker == EAGER_WORKER else {}  # torch's own gloo job
+    env = rp.environment(devices, **extra)
+    proc = rp.start(rp.command(procs, [worker, str(workdir), role]), env)
+    return rp.finish(proc, timeout)
 
 
 def results(workdir, role, procs, devices):

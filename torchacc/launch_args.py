@@ -237,9 +237,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
         ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),
         ("cp", "with --fsdp --compiler-opt: context parallel (the sequence split) over N devices"),
-        ("pp", "pipeline parallel stages (not wired into the launcher yet: N > 1 is refused)"),
+        ("pp", "with --fsdp --compiler-opt: pipeline stages (the blocks cut evenly) on N devices"),
     ):
         g.add_argument(f"--{name}", type=_int_at_least(1, name), default=1, metavar="N", help=text)
+    for flags, kw in (  # TorchAcc's Config.dist.pp names
+        (("--num_micro_batches", "--pp_microbatches"), {"type": _int_at_least(1, "M")}),
+        (("--pp_schedule",), {"choices": ("1F1B", "GPipe"), "default": "1F1B"}),
+    ):
+        what = "M micro-batches per step (default: --pp)" if "type" in kw else "its schedule"
+        m = "M" if "type" in kw else None
+        g.add_argument(*flags, dest=flags[0][2:], metavar=m, **kw, help=f"with --pp: {what}")
     g.add_argument(
         "--parallel_mode",
         choices=("data_parallel", "semi_auto", "auto"),
@@ -453,7 +460,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             "--torch_compile is for the eager path; it cannot be combined with --compiler-opt"
         )
-    _check_compile_mode(parser, args)
+    if args.compile_mode == "dynamo" and not args.compiler_opt:
+        parser.error("--compile_mode=dynamo needs --compiler-opt (it selects the compiler path)")
     _check_fsdp(parser, args)
     err = registry.axes_flag_error(args)  # --tp / --cp / --pp
     if err:
@@ -504,14 +512,6 @@ def _check_fsdp(parser: argparse.ArgumentParser, args: argparse.Namespace) -> No
             parser.error(f"--mesh {args.mesh!r}: expected DATA,FSDP (two whole numbers)")
         if data < 1 or fsdp < 1:
             parser.error(f"--mesh {args.mesh!r}: both sizes must be at least 1")
-
-
-def _check_compile_mode(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    """--compile_mode=dynamo selects a compiler path: it needs --compiler-opt."""
-    if args.compile_mode != "dynamo":
-        return
-    if not args.compiler_opt:
-        parser.error("--compile_mode=dynamo needs --compiler-opt (it selects the compiler path)")
 
 
 def _check_script(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -183,19 +183,43 @@ def _block_size(model: Model) -> int | None:
 
 
 def axes_flag_error(args) -> str | None:
-    """The launcher's ``--tp`` / ``--cp`` / ``--pp`` (one line), or None: tp and cp are axes of
-    the SPMD mesh of ``--fsdp --compiler-opt`` (data x fsdp x tp x cp) with sizes the model
-    can split; ``--pp`` is refused until the pipeline is wired into the gallery trainer."""
-    if args.pp > 1:
-        return (
-            f"--pp {args.pp}: pipeline parallel is not wired into the launcher's models yet "
-            "(ta.dist.PipelineParallel in a script of one's own runs it)"
-        )
-    axes = [f"--{n} {getattr(args, n)}" for n in ("tp", "cp") if getattr(args, n) > 1]
+    """The launcher's ``--tp`` / ``--cp`` / ``--pp`` (one line), or None: each is an axis of the
+    SPMD mesh of ``--fsdp --compiler-opt`` (data x fsdp x tp x cp, or dp x fsdp x pp) with sizes
+    the model can split; ``--pp`` does not compose with ``--tp``/``--cp``, ``--scan-layers`` or
+    the sharded checkpoints in the launcher yet (one line naming the flags)."""
+    pp = getattr(args, "pp", 1)
+    if pp == 1 and (
+        getattr(args, "num_micro_batches", None) is not None
+        or getattr(args, "pp_schedule", "1F1B") != "1F1B"
+    ):
+        return "--num_micro_batches / --pp_schedule apply to pipeline parallel: add --pp N (N > 1)"
+    axes = [f"--{n} {getattr(args, n)}" for n in ("tp", "cp", "pp") if getattr(args, n, 1) > 1]
     if not axes:
         return None
     if not (args.fsdp and args.compiler_opt):
         return f"{' '.join(axes)} needs --fsdp --compiler-opt (axes of the sharded step's mesh)"
+    if pp > 1:
+        if len(axes) > 1:
+            return (
+                f"{' '.join(axes)}: the launcher's pipeline does not compose with --tp/--cp yet "
+                "(run --pp alone, or --tp/--cp without --pp)"
+            )
+        if getattr(args, "nnodes", 1) > 1 or getattr(args, "nproc_per_node", 1) not in (1, "cpu"):
+            return (
+                f"--pp {pp}: one process drives every stage for now (--nproc_per_node=1 on one "
+                "node; on a CPU set CPU_NUM_DEVICES=N)"
+            )
+        if args.scan_layers:
+            return (
+                f"--pp {pp} --scan-layers: the pipeline cuts between blocks, which one scanned "
+                "layer has none of; drop --scan-layers"
+            )
+        if args.save_dir or args.resume:
+            flag = "--save_dir" if args.save_dir else "--resume"
+            return (
+                f"--pp {pp} {flag}: checkpoints of the pipeline's packed stage parameters are not "
+                "wired into the launcher yet"
+            )
     if args.script is None:
         return axes_error(args.model, args.tp, args.cp, args.seq_len)
     return None

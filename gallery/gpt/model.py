@@ -7,7 +7,8 @@ With ``kernels=True`` (the gallery's ``--kernel-opt``) attention is
 cuDNN on XLA:GPU). With ``scan_layers=True`` (the launcher's ``--scan-layers``) the blocks are
 one ``ScannedLayers`` of torchacc (stacked weights, one scan on the torchacc device).
 The fused QKV projection ``c_attn`` is laid out head-major (Megatron's layout), so a
-tensor-parallel split of its rows is a split of the heads. Configurations are chosen by name;
+tensor-parallel split of its rows is a split of the heads. ``forward`` is ``torch.fx``-traceable
+(pipeline parallel cuts it into stages before blocks ``h.<i>``). Configurations are chosen by name;
 ``gpt2`` is the 124M model (124,439,808 parameters).
 """
 
@@ -48,6 +49,22 @@ CONFIGS: dict[str, GPTConfig] = {
 GPT2_NUM_PARAMS = 124_439_808
 
 
+@torch.fx.wrap
+def flash_attention(q, k, v, **kwargs):
+    """``torchacc_ops.flash_attention``, looked up at each call (context parallel swaps it in
+    the model's forward); one call node under ``torch.fx``, whose tracing cannot enter it."""
+    return torchacc_ops.flash_attention(q, k, v, **kwargs)
+
+
+@torch.fx.wrap
+def check_length(t: int, block_size: int) -> None:
+    """``ValueError`` for a sequence longer than the block size. Under ``torch.fx`` (the pipeline's
+    splitter traces ``forward``) this is one call node run with the real length, not Python
+    control flow on a traced value; eagerly it is the same check as inline."""
+    if t > block_size:
+        raise ValueError(f"sequence length {t} > block_size {block_size}")
+
+
 class CausalSelfAttention(nn.Module):
     def __init__(self, cfg: GPTConfig, kernels: bool = False):
         super().__init__()
@@ -68,7 +85,7 @@ class CausalSelfAttention(nn.Module):
         q, k, v = qkv.unbind(3)
         p = self.dropout if self.training else 0.0
         if self.kernels:
-            y = torchacc_ops.flash_attention(q, k, v, causal=True, dropout_p=p)
+            y = flash_attention(q, k, v, causal=True, dropout_p=p)
         else:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(b, t, c)
@@ -133,8 +150,7 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab)."""
         t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        check_length(t, self.config.block_size)
         pos = torch.arange(t, dtype=torch.long, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
         if self.scan_layers:

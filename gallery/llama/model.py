@@ -12,6 +12,10 @@ restarting at 0 where each sequence of a row starts: rotary positions restart wi
 token attends only to earlier tokens of its own sequence, so a row of packed sequences computes
 what each sequence would alone (``torchacc_ops.flash_attention(position_ids=...)`` with
 ``kernels``; the same mask for SDPA without).
+
+``forward`` is ``torch.fx``-traceable for pipeline parallel (cut before blocks ``layers.<i>``)
+with the arguments a batch passes: ``position_ids`` left out is Python's ``None`` (trace a
+``forward(idx)`` that calls the model, as the launcher does), given it is traced as a tensor.
 """
 
 from __future__ import annotations
@@ -23,6 +27,28 @@ import torch.nn.functional as F
 from torch import nn
 
 import torchacc_ops
+from gallery.gpt.model import check_length, flash_attention
+
+torch.fx.wrap("check_length")  # call nodes under torch.fx in this module too
+torch.fx.wrap("flash_attention")
+
+
+@torch.fx.wrap
+def _rms_norm(x, weight, eps):
+    """``torchacc_ops``' kernels as one call node each under ``torch.fx`` (see
+    ``gallery.gpt.model.flash_attention``)."""
+    return torchacc_ops.rms_norm(x, weight, eps)
+
+
+@torch.fx.wrap
+def _apply_rotary_emb(x, cos, sin):
+    return torchacc_ops.apply_rotary_emb(x, cos, sin)
+
+
+@torch.fx.wrap
+def _swiglu(gate, up):
+    return torchacc_ops.swiglu(gate, up)
+
 
 __all__ = ["LlamaConfig", "CONFIGS", "Llama", "build_llama"]
 
@@ -58,7 +84,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
-            return torchacc_ops.rms_norm(x, self.weight, self.eps)
+            return _rms_norm(x, self.weight, self.eps)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (y * self.weight.float()).to(x.dtype)
@@ -72,7 +98,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 def rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: bool) -> torch.Tensor:
     """x (B, H, T, D); cos/sin (T, D/2), or (B, 1, T, D/2) for packed rows."""
     if kernels:
-        return torchacc_ops.apply_rotary_emb(x, cos, sin)
+        return _apply_rotary_emb(x, cos, sin)
     cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
     xf = x.float()
     return (xf * cos + _rotate_half(xf) * sin).to(x.dtype)
@@ -102,7 +128,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
         q, k = rotary(q, cos, sin, self.kernels), rotary(k, cos, sin, self.kernels)
         if self.kernels:
-            y = torchacc_ops.flash_attention(q, k, v, causal=True, position_ids=position_ids)
+            y = flash_attention(q, k, v, causal=True, position_ids=position_ids)
         elif position_ids is None:
             y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
@@ -121,7 +147,7 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
-        h = torchacc_ops.swiglu(gate, up) if self.kernels else F.silu(gate) * up
+        h = _swiglu(gate, up) if self.kernels else F.silu(gate) * up
         return self.down_proj(h)
 
 
@@ -138,6 +164,24 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attn_norm(x))
 
 
+@torch.fx.wrap
+def _check_positions(position_ids: torch.Tensor, idx: torch.Tensor) -> None:
+    """``ValueError`` unless the position ids have the token ids' shape (one call node under
+    ``torch.fx``, like ``check_length``)."""
+    if position_ids.shape != idx.shape:
+        raise ValueError(
+            f"position_ids {tuple(position_ids.shape)} must have the shape of the token ids "
+            f"{tuple(idx.shape)}"
+        )
+
+
+@torch.fx.wrap
+def _rope_prefix(table: torch.Tensor, t: int) -> torch.Tensor:
+    """The rotary table's first ``t`` rows (a call node under ``torch.fx``: ``t`` is traced)."""
+    return table[:t]
+
+
+@torch.fx.wrap
 def _packed_causal_mask(position_ids: torch.Tensor) -> torch.Tensor:
     """(B, 1, T, T) bool, True where query i may attend key j: same sequence and j <= i."""
     sequence = (position_ids == 0).cumsum(-1)
@@ -170,17 +214,12 @@ class Llama(nn.Module):
     def forward(self, idx: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Token ids (B, T) -> logits (B, T, vocab); ``position_ids`` (B, T): packed rows."""
         t = idx.shape[1]
-        if t > self.config.block_size:
-            raise ValueError(f"sequence length {t} > block_size {self.config.block_size}")
+        check_length(t, self.config.block_size)
         packed = () if position_ids is None else (position_ids,)
         if position_ids is None:
-            cos, sin = self.rope_cos[:t], self.rope_sin[:t]
+            cos, sin = _rope_prefix(self.rope_cos, t), _rope_prefix(self.rope_sin, t)
         else:
-            if position_ids.shape != idx.shape:
-                raise ValueError(
-                    f"position_ids {tuple(position_ids.shape)} must have the shape of the token "
-                    f"ids {tuple(idx.shape)}"
-                )
+            _check_positions(position_ids, idx)
             cos, sin = self.rope_cos[position_ids][:, None], self.rope_sin[position_ids][:, None]
         x = self.embed(idx)
         if self.scan_layers:  # ScannedLayers: one scan on torchacc, the same loop elsewhere

@@ -11,6 +11,7 @@ import os
 import pickle
 import shutil
 import sys
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -275,6 +276,10 @@ def test_save_async_writes_the_state_of_its_step(saved):
     assert saved.mgr.save_async(30, sd)
     step(saved.tp, saved.fsdp, saved.opt, DEV, seed=3)  # training goes on meanwhile
     saved.mgr.join()
+    if sys.platform.startswith("linux"):  # the writer thread runs writer_nice (10) lower
+        tid = saved.mgr._pool.submit(threading.get_native_id).result()
+        main = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(main + 10, 19)
     assert saved.mgr.all_steps() == [20, 30]  # max_to_keep=2 dropped step 10
     assert sorted(os.listdir(os.path.join(CKPT, "mgr"))) == ["20", "30"]
     tp, fsdp, opt = _fresh(seed=11)
@@ -323,6 +328,8 @@ def test_manager_arguments_and_incomplete_directories(tmp_path):
         CheckpointManager(str(tmp_path), 0)
     with pytest.raises(ValueError, match="max_to_keep must be >= 0, got -1"):
         CheckpointManager(str(tmp_path), 1, max_to_keep=-1)
+    with pytest.raises(ValueError, match="writer_nice must be in 0..19, got -1"):
+        CheckpointManager(str(tmp_path), 1, writer_nice=-1)
     with pytest.raises(NotImplementedError, match="preemption"):
         CheckpointManager(str(tmp_path), 1, chkpt_on_preemption=True)
     (tmp_path / "7").mkdir()  # no metadata: not a checkpoint

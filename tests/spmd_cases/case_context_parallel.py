@@ -234,8 +234,147 @@ def test_bad_input_is_one_value_error():
         cp_ops.ring_attention(q, k, v, q_lens=torch.tensor([3]))
     with pytest.raises(ValueError, match=r"k_lens \[3, 13\] must lie in \[0, 12\]"):
         cp_ops.ring_attention(q, k, v, k_lens=torch.tensor([3, 13]))
-    with pytest.raises(NotImplementedError, match="dropout_p=0.1"):
-        cp_ops.ulysses(q, k, v, dropout_p=0.1)
+    with pytest.raises(ValueError, match=r"ulysses: dropout_p=1.0 must be in \[0, 1\)"):
+        cp_ops.ulysses(q, k, v, dropout_p=1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# per-head masks and attention dropout in the region (Notes [Context parallel masks] and
+# [Context parallel dropout] in torchacc/context_parallel/__init__.py)
+
+
+class _SDPA(torch.nn.Module):
+    def forward(self, q, k, v, mask=None, p=0.0, causal=False):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal
+        )
+
+
+def _sdpa_on_cp(algorithm, cp):
+    """SDPA as dist.sp routes it: the region over a dp x cp mesh of the 4 devices."""
+    from torchacc.context_parallel import model as cp_model
+    from torchacc.sharding import api
+
+    api.use_spmd()
+    mesh = api.jax_mesh(range(4), (4 // cp, cp), ("dp", "cp"))
+    api.adopt_mesh(mesh)
+    model = _SDPA()
+    cp_model.parallelize(model, mesh, "cp", ("dp",), algorithm=algorithm)
+    return model
+
+
+@pytest.mark.parametrize("algorithm,cp,kind", [("ulysses", 2, "bool"), ("ring", 4, "bias")])
+def test_per_head_masks_match_eager(algorithm, cp, kind):
+    """Under Ulysses a per-head bool mask [B, H, S, S], around the ring a per-head additive bias
+    (ALiBi-like) given 3-D, [H, S, S] (SDPA broadcasts it over the batch): the region's output
+    and dq/dk/dv equal eager SDPA's within 1e-5."""
+    model = _sdpa_on_cp(algorithm, cp)
+    B, H, S, D = 2, 4, 16, 8
+    g = torch.Generator().manual_seed(3)
+    if kind == "bool":
+        mask = torch.rand(B, H, S, S, generator=g) > 0.4
+        mask |= torch.eye(S, dtype=torch.bool)  # every query sees a key
+    else:
+        slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])[:, None, None]
+        mask = -slopes * (torch.arange(S)[None, :] - torch.arange(S)[:, None]).abs().float()
+    q, k, v = (torch.randn(B, H, S, D, generator=g, requires_grad=True) for _ in range(3))
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    grad = torch.randn(want.shape, generator=g)
+    want.backward(grad)
+    qd, kd, vd = (t.detach().to(DEV).requires_grad_() for t in (q, k, v))
+    out = model(qd, kd, vd, mask.to(DEV))
+    out.backward(grad.to(DEV))
+    torchacc.sync()
+    for got, ref in ((out, want), (qd.grad, q.grad), (kd.grad, k.grad), (vd.grad, v.grad)):
+        torch.testing.assert_close(got.cpu(), ref.detach(), atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"attn_mask of shape \(2, 3, 16, 16\) must be"):
+        model(qd, kd, vd, torch.ones(B, 3, S, S, dtype=torch.bool).to(DEV))
+
+
+_DROPOUT_LAYOUTS = {  # mesh shape, names, a2a axes, ring axes, head axis, causal, kv heads, mask
+    "ulysses, heads on tp, a per-head mask": (
+        (1, 2, 2), ("dp", "tp", "cp"), ("cp",), (), "tp", False, 4, True,
+    ),
+    "causal zig-zag ring, GQA, batch on dp": (
+        (2, 2), ("dp", "cp"), (), ("cp",), None, True, 2, False,
+    ),
+    "causal 2-D (Ulysses intra, ring inter), GQA": (
+        (1, 2, 2), ("dp", "inter", "intra"), ("intra",), ("inter",), None, True, 2, False,
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("layout", list(_DROPOUT_LAYOUTS))
+def test_dropout_mask_is_the_unsharded_rules_for_the_seed(layout):
+    """For one seed the region equals the unsharded attention rule of
+    torchacc/lowering/fused_attention.py with that seed within 1e-5, forward and the VJP,
+    whatever the layout: the keep mask is a function of the global index (b, h, i, j) only."""
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh
+
+    from torchacc.context_parallel.regions import _make_attention
+    from torchacc.lowering import fused_attention
+
+    shape, names, a2a, ring, hax, causal, kv, masked = _DROPOUT_LAYOUTS[layout]
+    mesh = Mesh(np.array(jax.devices()[:4]).reshape(shape), names)
+    B, S, H, D, p = 2, 16, 4, 8, 0.3
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (B, S, H, D), jnp.float32)
+    k, v = (jax.random.normal(x, (B, S, kv, D), jnp.float32) for x in keys[1:3])
+    g = jax.random.normal(keys[3], (B, S, H, D), jnp.float32)
+    mask = None
+    if masked:  # [B, H, S, S], every query seeing a key
+        mask = (jax.random.uniform(keys[4], (B, H, S, S)) > 0.3) | jnp.eye(S, dtype=bool)
+    seed = jnp.asarray(123456789, jnp.int64)
+    scale = 1.0 / D**0.5
+    bax = "dp" if shape[0] > 1 else None
+    fwd = _make_attention(mesh, bax, a2a, ring, scale, causal, False, hax, ("mask",) * masked, p)
+    extra = () if mask is None else (mask,)
+
+    def region(q, k, v):
+        return fwd(q, k, v, *extra, seed)
+
+    def unsharded(q, k, v, rate=p):  # the rule's layout is [B, H, L, D]
+        t = [jnp.swapaxes(x, 1, 2) for x in (q, k, v)]
+        out, _ = fused_attention._xla_forward(*t, mask, causal, scale, seed, rate)
+        return jnp.swapaxes(out, 1, 2)
+
+    got, vjp = jax.vjp(jax.jit(region), q, k, v)
+    want, vjp_ref = jax.vjp(jax.jit(unsharded), q, k, v)
+    np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(vjp(g), vjp_ref(g)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(got - unsharded(q, k, v, 0.0)).max()) > 0.1  # something dropped
+
+
+@pytest.mark.parametrize("algorithm,cp", [("ring", 4)])
+def test_dropout_same_seed_same_step_and_the_keep_rate(algorithm, cp):
+    """Through SDPA under dist.sp: q = k = 0 makes every probability 1/S and v = I reads the
+    scaled keep mask off the output; the same torch.manual_seed gives the same mask, another
+    seed another, about 1 - p of the entries kept, and dv is the kept probabilities' transpose
+    times the output gradient (the backward drops what the forward dropped)."""
+    model = _sdpa_on_cp(algorithm, cp)
+    B, H, S, p = 2, 4, 16, 0.25
+    q = k = torch.zeros(B, H, S, S).to(DEV)
+    eye = torch.eye(S).expand(B, H, S, S).contiguous()
+    grad = torch.randn(B, H, S, S, generator=torch.Generator().manual_seed(0))
+
+    def draw(seed):
+        torch.manual_seed(seed)
+        v = eye.to(DEV).requires_grad_()
+        out = model(q, k, v, None, p)
+        out.backward(grad.to(DEV))
+        torchacc.sync()
+        return out.detach().cpu(), v.grad.cpu()
+
+    (a, dva), (b, _), (c, _) = draw(7), draw(7), draw(8)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    kept = a * (1 - p) * S  # exactly 0 or 1
+    assert torch.equal(kept, kept.round()) and set(kept.unique().tolist()) <= {0.0, 1.0}
+    assert abs(kept.mean().item() - (1 - p)) < 0.05, kept.mean().item()
+    probs = kept / ((1 - p) * S)
+    torch.testing.assert_close(dva, probs.transpose(-1, -2) @ grad, atol=1e-6, rtol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

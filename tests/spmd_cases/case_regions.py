@@ -156,6 +156,38 @@ def test_enable_and_disable_manual_sharding_match_eager():
         xs.enable_manual_sharding(wd, ("y", None), mesh=MESH)
 
 
+def test_gradients_through_enable_and_disable_manual_sharding_match_eager():
+    """Autograd through a region of enable_/disable_manual_sharding (Note [Regions under
+    autograd]): the split tensor's history (an activation made before the region), a replicated
+    weight read inside and an all_reduce inside all get eager's gradients; no new program after
+    step 2."""
+    g = torch.Generator().manual_seed(7)
+    w, s, c = torch.randn(3, 3, generator=g), torch.randn(3, generator=g), _data(70)
+    graphs, before = [], new_graphs()
+    for step in range(4):
+        x = _data(80 + step)
+        wd, sd = w.to(DEV).requires_grad_(), s.to(DEV).requires_grad_()
+        xd = x.to(DEV).requires_grad_()
+        h = xd * sd  # computed before the region: its gradient reaches x and s
+        block = xs.enable_manual_sharding(h, ("x", None), mesh=MESH).global_tensor
+        y = torch.tanh(block @ wd)
+        y = y / xm.all_reduce(xm.REDUCE_SUM, (y * y).sum())
+        out = xs.disable_manual_sharding(y, ("x", None), (8, 3), mesh=MESH).global_tensor
+        (out * c.to(DEV)).sum().backward()
+        xm.mark_step()
+        graphs.append(new_graphs() - before)
+        before += graphs[-1]
+        xe, we, se = (t.clone().requires_grad_() for t in (x, w, s))
+        ys = [torch.tanh(b @ we) for b in _blocks(xe * se)]
+        total = sum((b * b).sum() for b in ys)
+        want = torch.cat([b / total for b in ys])
+        (want * c).sum().backward()
+        torch.testing.assert_close(out.detach().cpu(), want.detach(), atol=1e-5, rtol=1e-5)
+        for got, ref in ((xd, xe), (wd, we), (sd, se)):
+            torch.testing.assert_close(got.grad.cpu(), ref.grad, atol=1e-5, rtol=1e-5)
+    assert graphs[2:] == [0, 0], graphs
+
+
 def test_gradients_through_a_region_match_eager():
     """Autograd through ``_shard_map`` (Note [Regions under autograd]): the backward is the
     transposed region (psum, ppermute ring, all_gather), the input and closure gradients equal

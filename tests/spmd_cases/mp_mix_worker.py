@@ -4,7 +4,10 @@
 Each process trains its replica of a linear model on its own batch, the weight sharded over
 its 2 local devices (FSDP inside the process, XLA's partitioner), and averages the gradients
 across the 2 processes with ``xm.all_reduce`` (a manual region over the process axis of the
-job-wide mesh), in one program per step. Checked against eager on the global batch.
+job-wide mesh), in one program per step. Checked against eager on the global batch. Then
+blocking ``dist.send``/``recv`` on the ``xla`` process group between the two processes (Note
+[Send and receive in SPMD mode] in torchacc/sharding/point_to_point.py): a replicated tensor,
+one split over the local devices, and a receive buffer of another layout (a ValueError on both).
 """
 
 import json
@@ -59,6 +62,33 @@ for _ in range(4):
         )
     )
 spec = xs.sharding_of(model.weight) if hasattr(xs, "sharding_of") else None
+
+import torch.distributed as dist  # noqa: E402
+
+import torchacc.distributed.xla_backend  # noqa: E402, F401
+
+dist.init_process_group(backend="xla", init_method="env://")
+p2p = []
+peer = 1 - rank
+mine = (torch.arange(8.0).reshape(4, 2) + 100 * rank).to(dev)  # each process's own value
+got = torch.zeros(4, 2).to(dev)
+(dist.send if rank == 0 else dist.recv)(mine if rank == 0 else got, peer)
+(dist.recv if rank == 0 else dist.send)(got if rank == 0 else mine * 2, peer)
+base = torch.arange(8.0).reshape(4, 2)
+want = (base + 100) * 2 if rank == 0 else base  # rank 1's doubled value back, rank 0's value
+p2p.append(("replicated", torch.equal(got.cpu(), want)))
+split, into = mine + 1, torch.zeros(4, 2).to(dev)
+xs.mark_sharding(split, mesh, ("fsdp", None))
+xs.mark_sharding(into, mesh, ("fsdp", None))
+(dist.send if rank == 1 else dist.recv)(split if rank == 1 else into, peer)
+if rank == 0:
+    p2p.append(("split", torch.equal(into.cpu(), torch.arange(8.0).reshape(4, 2) + 101)))
+    p2p.append(("layout", str(xs.sharding_of(into).spec) if hasattr(xs, "sharding_of") else ""))
+try:
+    (dist.send if rank == 1 else dist.recv)(split if rank == 1 else torch.zeros(4, 2).to(dev), peer)
+    p2p.append(("other layout", "no error"))
+except ValueError as e:
+    p2p.append(("other layout", "same shape, dtype and layout" in str(e)))
 out = sys.argv[1]
 with open(f"{out}.{rank}.json", "w") as f:
-    json.dump({"graphs": graphs, "errs": errs, "spec": str(spec)}, f)
+    json.dump({"graphs": graphs, "errs": errs, "spec": str(spec), "p2p": p2p}, f)

@@ -39,13 +39,37 @@ Note [Context parallel masks]
     - segment ids of packed rows ([batch, seq] integers, a token attends only to its own
       segment): split on the sequence like q, gathered with the positions under Ulysses, and
       k's travel around the ring with its block. O(seq / cp) per device.
-    - a general mask (bool, True = attend, or additive) [batch or 1, 1, q seq, k seq]: its rows
-      are split with q's tokens (gathered over the all-to-all axes under Ulysses) and each ring
-      step picks the columns of its block's keys by their global positions. O(seq^2 / cp) per
-      device for the ring, O(seq^2 / intra) under Ulysses: segment ids are the way for long
-      packed rows.
+    - a general mask (bool, True = attend, or additive) [batch or 1, heads or 1, q seq, k seq]:
+      its rows are split with q's tokens and each ring step picks the columns of its block's
+      keys by their global positions. Under Ulysses a mask of one head is gathered over the
+      all-to-all axes (every row), a per-head mask (ALiBi-style biases, per-head patterns) is
+      traded like q (an all-to-all: every row of this device's heads); under tensor parallel a
+      per-head mask's heads lie on the head axis with q's. O(seq^2 / cp) per device for the
+      ring and for per-head masks, O(seq^2 / intra) for a one-head mask under Ulysses: segment
+      ids are the way for long packed rows.
     A query whose keys are all masked gives 0 (SDPA gives NaN for a bool mask, the mean of v
     for an additive one of equal values).
+
+Note [Context parallel dropout]
+    ``dropout_p > 0`` (the ops' argument, SDPA's / flash_attention's under ``dist.sp``) drops
+    attention probabilities after the softmax, the kept ones scaled by 1 / (1 - p), as SDPA
+    does; the softmax's sum is taken before dropout. The randomness is one seed per call, drawn
+    from the step's RNG by a random node of its own (``call_jax_rng``: 32 bits of the node's key
+    as int64, the unsharded attention rule's formula in torchacc/lowering/fused_attention.py);
+    the forward and the backward (JAX's VJP, recomputing the forward) read the same seed. What
+    holds:
+    - the keep mask is a function of the seed and the *global* index (b, h, i, j) of the
+      [B, H, Sq, Sk] scores alone: ``jax.random.uniform(jax.random.key(seed), (B, H, Sq, Sk))
+      >= p``, exactly the mask the unsharded rule draws from that seed. Each device computes
+      only its blocks' bits (partitionable threefry: an element's bits come from its flat
+      index; with ``jax_threefry_partitionable`` off the whole draw is made and indexed). So for
+      one seed the result is the same for Ulysses, ring, 2-D, any cp, the zig-zag layout, tp
+      and the batch split, and equals the unsharded attention with that seed's mask;
+    - ``torch.manual_seed`` makes a step reproducible, as for any dropout of the step;
+    - not bit-equal to a run without context parallel: the seed comes from this call's own
+      node, so it differs from the one the unsharded program's attention node draws, and not to
+      eager PyTorch's CPU/CUDA generator (no torchacc dropout is). The statistics are the same.
+    The per-process style (one sequence chunk per process) refuses dropout with a ValueError.
 """
 
 from __future__ import annotations
@@ -73,6 +97,7 @@ from torchacc.context_parallel.regions import (
     _make_attention,
     _with_vjp,
 )
+from torchacc.lowering.dtypes import jdtype as _jdtype
 from torchacc.sharding import api
 
 __all__ = [
@@ -215,8 +240,7 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, chunks=1):
         raise ValueError(
             f"{call}: q's {q.shape[2]} heads must be a multiple of k/v's {k.shape[2]} (GQA)"
         )
-    if dropout_p:
-        raise NotImplementedError(f"{call}: dropout_p={dropout_p} (only 0.0 is supported)")
+    _check_dropout(call, dropout_p)
     lens = []
     sizes = (q.shape[1] * chunks, k.shape[1] * chunks)
     for name, n, t in (("q_lens", sizes[0], q_lens), ("k_lens", sizes[1], k_lens)):
@@ -239,12 +263,40 @@ def _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, chunks=1):
     return [full[i] if t is None else t for i, t in enumerate(lens)]
 
 
+def _per_process_dropout(call, dropout_p):
+    if dropout_p:
+        raise ValueError(
+            f"{call}: dropout_p={dropout_p} is not supported in the per-process style (one "
+            "sequence chunk per process); the SPMD style (a cp mesh axis, dist.sp) supports it"
+        )
+
+
+def _check_dropout(call, dropout_p):
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
+        raise ValueError(f"{call}: dropout_p must be a float in [0, 1), got {dropout_p!r}")
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{call}: dropout_p={dropout_p} must be in [0, 1)")
+
+
 def _attention(
-    call, q, k, v, lens, a2a_group, ring_group, softmax_scale, causal, segments=(), mask=None
+    call,
+    q,
+    k,
+    v,
+    lens,
+    a2a_group,
+    ring_group,
+    softmax_scale,
+    causal,
+    segments=(),
+    mask=None,
+    dropout_p=0.0,
 ):
     """Checks, then the region: Ulysses over ``a2a_group``, the ring over ``ring_group``.
     ``segments``: (q's, k's) segment ids [batch, seq] of packed rows; ``mask``: a bool or additive
-    mask [batch or 1, 1, q seq, k seq] (Note [Context parallel masks])."""
+    mask [batch or 1, heads or 1, q seq, k seq] (Note [Context parallel masks]); ``dropout_p``:
+    attention dropout drawn from the step's RNG (Note [Context parallel dropout])."""
+    _check_dropout(call, dropout_p)
     a2a = a2a_group.axes if a2a_group is not None and a2a_group.size > 1 else ()
     ring = ring_group.axes if ring_group is not None and ring_group.size > 1 else ()
     group = a2a_group or ring_group
@@ -281,12 +333,12 @@ def _attention(
     if mask is not None and (
         mask.dim() != 4
         or mask.shape[0] not in (1, q.shape[0])
-        or mask.shape[1] != 1
+        or mask.shape[1] not in (1, q.shape[2])
         or tuple(mask.shape[2:]) != (q.shape[1], k.shape[1])
     ):
         raise ValueError(
-            f"{call}: attn_mask of shape {tuple(mask.shape)} must be [batch or 1, 1, "
-            f"{q.shape[1]}, {k.shape[1]}] (one mask for every head) under context parallel"
+            f"{call}: attn_mask of shape {tuple(mask.shape)} must be [batch or 1, heads "
+            f"({q.shape[2]}) or 1, {q.shape[1]}, {k.shape[1]}] under context parallel"
         )
     scale = float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(q.shape[3])
     baxes = group.batch_axes
@@ -296,13 +348,45 @@ def _attention(
         bax = baxes[0] if len(baxes) == 1 else baxes
     extras = (("lens",) if lens else ()) + (("segments",) if segments else ())
     extras += ("mask",) if mask is not None else ()
-    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal), extras, hax)
+    rate = float(dropout_p)
+    key = ("attention", id(mesh), bax, a2a, ring, scale, bool(causal), extras, hax, rate)
     fwd = _cached(
         key,
-        lambda: _make_attention(mesh, bax, a2a, ring, scale, bool(causal), False, hax, extras),
+        lambda: _make_attention(
+            mesh, bax, a2a, ring, scale, bool(causal), False, hax, extras, rate
+        ),
     )
     inputs = (q, k, v, *lens, *segments, *([] if mask is None else [mask]))
+    if rate:  # the seed: one random node of the step (Note [Context parallel dropout])
+        inputs = (*inputs, _dropout_seed(q))
     return _with_vjp(fwd, inputs, call, n_diff=3)
+
+
+def _draw_seed(q, rng):
+    """The unsharded attention rule's seed (torchacc/lowering/fused_attention.py): 32 random
+    bits of the node's key, as int64."""
+    del q
+    return (jax.random.bits(rng, (), jax.numpy.uint32).astype(jax.numpy.int64),)
+
+
+def _dropout_seed(q):
+    """A 0-d int64 tensor drawn from the step's RNG (a ``call_jax_rng`` node; ``q`` only
+    places it): the region's forward and its backward read the same one."""
+    from torchacc.lowering import region as _region
+
+    spec = jax.ShapeDtypeStruct(tuple(q.shape), _jdtype(q.dtype))
+    _, treedef = jax.tree_util.tree_flatten(((spec,), {}))
+    _, out_tree = jax.tree_util.tree_flatten((0,))
+    call = _seed_calls.get(treedef)
+    if call is None:
+        precision = jax.config.jax_default_matmul_precision
+        meta = [((), torch.int64)]
+        call = _region.JaxCall(_draw_seed, treedef, range(1), {}, precision, meta, out_tree)
+        _seed_calls[treedef] = call
+    return _region.call_jax_rng([q.detach()], call.key)[0]
+
+
+_seed_calls: dict = {}
 
 
 def ulysses(
@@ -323,8 +407,11 @@ def ulysses(
     per = group.size if isinstance(group, ProcessGroups) else 1
     lens = _check_qkv(q, k, v, "ulysses", dropout_p, q_lens, k_lens, per)
     if isinstance(group, ProcessGroups):
+        _per_process_dropout("ulysses", dropout_p)
         return _ulysses_per_process(q, k, v, lens, group, softmax_scale, causal)
-    return _attention("ulysses", q, k, v, lens, group, None, softmax_scale, causal)
+    return _attention(
+        "ulysses", q, k, v, lens, group, None, softmax_scale, causal, dropout_p=dropout_p
+    )
 
 
 def ring_attention(
@@ -346,8 +433,11 @@ def ring_attention(
     per = group.size if isinstance(group, ProcessGroups) else 1
     lens = _check_qkv(q, k, v, "ring_attention", dropout_p, q_lens, k_lens, per)
     if isinstance(group, ProcessGroups):
+        _per_process_dropout("ring_attention", dropout_p)
         return _ring_per_process(q, k, v, lens, group, softmax_scale, causal)
-    return _attention("ring_attention", q, k, v, lens, None, group, softmax_scale, causal)
+    return _attention(
+        "ring_attention", q, k, v, lens, None, group, softmax_scale, causal, dropout_p=dropout_p
+    )
 
 
 def context_parallel_2d(
@@ -372,11 +462,12 @@ def context_parallel_2d(
         raise ValueError(f"{call}: the inter and intra groups are of different styles")
     if isinstance(inter, ProcessGroups):
         lens = _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens, inter.size * intra.size)
+        _per_process_dropout(call, dropout_p)
         return _2d_per_process(q, k, v, lens, inter, intra, softmax_scale, causal)
     if inter.mesh is not intra.mesh:
         raise ValueError(f"{call}: the inter and intra groups come from different meshes")
     lens = _check_qkv(q, k, v, call, dropout_p, q_lens, k_lens)
-    return _attention(call, q, k, v, lens, intra, inter, softmax_scale, causal)
+    return _attention(call, q, k, v, lens, intra, inter, softmax_scale, causal, dropout_p=dropout_p)
 
 
 # ---------------------------------------------------------------------------------------------

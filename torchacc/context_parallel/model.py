@@ -12,8 +12,9 @@ Note [Context parallel for a model]
     are the region's:
     - ``F.scaled_dot_product_attention(q, k, v, attn_mask, is_causal, scale, enable_gqa)``
       (gallery GPT-2/LLaMA without kernels, Hugging Face's "sdpa" attention): causal or not,
-      GQA, and an ``attn_mask`` [batch or 1, 1, q seq, k seq] (a packed-rows mask, HF's 4-D
-      causal+padding mask) taken row-split (Note [Context parallel masks]);
+      GQA, an ``attn_mask`` [batch or 1, heads or 1, q seq, k seq] (a packed-rows mask, HF's
+      4-D causal+padding mask, a per-head bias such as ALiBi's) taken row-split (Note [Context
+      parallel masks]) and ``dropout_p`` (Note [Context parallel dropout]);
     - ``torchacc_ops.flash_attention(..., position_ids= / cu_seqlens=)`` (the gallery's
       ``--kernel-opt`` models): packed rows become segment ids, O(seq / cp) per device;
     - ``ta.ops.context_parallel.ulysses`` / ``ring_attention`` called by the model itself: the
@@ -62,13 +63,15 @@ def _algorithm(group, q_heads, kv_heads, masked, algorithm):
     return "ulysses" if fits and not masked else "ring"
 
 
-def _run(group, algorithm, q, k, v, causal, scale, segments=(), mask=None, call="sdpa"):
+def _run(
+    group, algorithm, q, k, v, causal, scale, segments=(), mask=None, call="sdpa", dropout_p=0.0
+):
     """Attention of [batch, heads, seq, head_dim] tensors over ``group``; the same layout back."""
     q, k, v = (t.transpose(1, 2) for t in (q, k, v))
     algo = _algorithm(group, q.shape[2], k.shape[2], mask is not None, algorithm)
     a2a, ring = (group, None) if algo == "ulysses" else (None, group)
     name = f"context parallel {call} ({algo})"
-    out = cp._attention(name, q, k, v, [], a2a, ring, scale, causal, segments, mask)
+    out = cp._attention(name, q, k, v, [], a2a, ring, scale, causal, segments, mask, dropout_p)
     return out.transpose(1, 2)
 
 
@@ -92,15 +95,11 @@ def _sdpa(group, algorithm, original):
     def sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
         if not _on_device(q):
             return original(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa=enable_gqa)
-        if dropout_p:
-            raise NotImplementedError(
-                f"context parallel: attention dropout_p={dropout_p} (only 0.0 is supported)"
-            )
-        if attn_mask is not None and attn_mask.dim() == 2:
-            attn_mask = attn_mask[None, None]
-        elif attn_mask is not None and attn_mask.dim() == 3:
-            attn_mask = attn_mask[:, None]
-        return _run(group, algorithm, q, k, v, bool(is_causal), scale, mask=attn_mask)
+        if attn_mask is not None and attn_mask.dim() < 4:  # SDPA broadcasts from the right:
+            attn_mask = attn_mask[(None,) * (4 - attn_mask.dim())]  # a 3-D mask's dim 0 is heads
+        return _run(
+            group, algorithm, q, k, v, bool(is_causal), scale, mask=attn_mask, dropout_p=dropout_p
+        )
 
     return sdpa
 
@@ -130,15 +129,13 @@ def _flash(group, algorithm, original):
                 cu_seqlens=cu_seqlens,
                 position_ids=position_ids,
             )
-        if dropout_p:
-            raise NotImplementedError(
-                f"context parallel: attention dropout_p={dropout_p} (only 0.0 is supported)"
-            )
         segments = ()
         if position_ids is not None or cu_seqlens is not None:
             seg = _segments_of(position_ids, cu_seqlens, (q.shape[0], q.shape[2]))
             segments = (seg, seg)
-        return _run(group, algorithm, q, k, v, bool(causal), scale, segments, attn_mask, "flash")
+        return _run(
+            group, algorithm, q, k, v, bool(causal), scale, segments, attn_mask, "flash", dropout_p
+        )
 
     return flash_attention
 

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import torch
+from jax.extend.random import threefry2x32_p
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -99,12 +100,42 @@ def _scores(q, k, scale):
     return jnp.einsum("bqhd,bkhd->bhqk", q, k, preferred_element_type=jnp.float32) * scale
 
 
-def _body(a2a, ring, n_ring, scale, causal, extras):
+def _keep_block(kd, dims, p, b0, h0, nb, nh, qpos, kpos):
+    """The attention-dropout keep mask of one block of the global [B, H, Sq, Sk] scores: rows
+    ``b0 + arange(nb)``, heads ``h0 + arange(nh)``, queries ``qpos``, keys ``kpos`` (global
+    positions). Element (b, h, i, j) is ``jax.random.uniform(key, (B, H, Sq, Sk))[b, h, i, j]
+    >= p`` for the key whose data is ``kd`` (Note [Context parallel dropout]): partitionable
+    threefry draws an element's bits from its flat index alone, so a block computes just its
+    own; without it (``jax_threefry_partitionable`` off) the whole draw is made and indexed."""
+    B, H, Sq, Sk = dims
+    u64 = jnp.uint64
+    b = (b0 + jnp.arange(nb)).astype(u64)[:, None, None, None]
+    h = (h0 + jnp.arange(nh)).astype(u64)[None, :, None, None]
+    i, j = qpos.astype(u64)[None, None, :, None], kpos.astype(u64)[None, None, None, :]
+    if not jax.config.jax_threefry_partitionable:
+        full = jax.random.uniform(jax.random.wrap_key_data(kd), dims, jnp.float32)
+        return full[b, h, i, j] >= jnp.float32(p)
+    flat = ((b * u64(H) + h) * u64(Sq) + i) * u64(Sk) + j
+    hi, lo = (flat >> u64(32)).astype(jnp.uint32), flat.astype(jnp.uint32)
+    bits1, bits2 = threefry2x32_p.bind(kd[0], kd[1], hi, lo)
+    mantissa = ((bits1 ^ bits2) >> jnp.uint32(9)) | jnp.uint32(0x3F800000)
+    uniform = jax.lax.bitcast_convert_type(mantissa, jnp.float32) - jnp.float32(1.0)
+    return uniform >= jnp.float32(p)
+
+
+def _axis_offset(axes, size):
+    """This device's offset along a dimension split over ``axes`` in blocks of ``size``."""
+    return jax.lax.axis_index(axes) * size if axes else 0
+
+
+def _body(a2a, ring, n_ring, scale, causal, extras, dropout=None):
     """One device's attention: all-to-all over the ``a2a`` axes (Ulysses), then ``n_ring`` K/V
     blocks passed around the ``ring`` axes merged by online softmax. Masks come from the
     tokens' global positions (``qpos``, ``kpos``), which travel with the blocks, and from the
     ``extras`` (Note [Context parallel masks]): ``lens`` (q_lens, k_lens), ``segments`` (q's and
-    k's segment ids; k's travel with the block) and ``mask`` (rows of q's tokens, every key)."""
+    k's segment ids; k's travel with the block) and ``mask`` (rows of q's tokens, every key;
+    per-head masks traded like q under Ulysses). ``dropout``: (p, global [B, H, Sq, Sk], batch
+    axes, head axis) with the key's data the last input (Note [Context parallel dropout])."""
     perm = [(i, (i + 1) % n_ring) for i in range(n_ring)]
 
     def gather(x, axis):  # a split of the sequence, gathered in the all-to-all's order
@@ -112,6 +143,12 @@ def _body(a2a, ring, n_ring, scale, causal, extras):
 
     def body(q, k, v, qpos, kpos, *rest):
         rest = list(rest)
+        kd = rest.pop() if dropout else None
+        b0 = h0 = 0
+        if dropout:  # this device's first batch row and head of the global scores
+            _, _, bax, hax = dropout
+            b0 = _axis_offset(bax, q.shape[0])
+            h0 = _axis_offset(hax, q.shape[2])
         lens = (rest.pop(0), rest.pop(0)) if "lens" in extras else ()
         qseg, kseg = (rest.pop(0), rest.pop(0)) if "segments" in extras else (None, None)
         full_mask = rest.pop(0) if "mask" in extras else None
@@ -120,9 +157,13 @@ def _body(a2a, ring, n_ring, scale, causal, extras):
             qpos, kpos = gather(qpos, 0), gather(kpos, 0)
             if qseg is not None:
                 qseg, kseg = gather(qseg, 1), gather(kseg, 1)
-            if full_mask is not None:
+            if full_mask is not None and full_mask.shape[1] > 1:  # per head: traded like q
+                full_mask = jax.lax.all_to_all(full_mask, a2a, 1, 2, tiled=True)
+            elif full_mask is not None:
                 full_mask = gather(full_mask, 2)
         b, sq, h, d = q.shape
+        if dropout:  # the heads this device holds after the all-to-all
+            h0 = h0 + _axis_offset(a2a, h)
         m = jnp.full((b, h, sq), _NEG, jnp.float32)
         den = jnp.zeros((b, h, sq), jnp.float32)
         acc = jnp.zeros((b, h, sq, d), jnp.float32)
@@ -143,12 +184,19 @@ def _body(a2a, ring, n_ring, scale, causal, extras):
                     s = s + cols.astype(jnp.float32)
             if mask is not None:
                 s = jnp.where(mask, s, _NEG)
-            m_new = jnp.maximum(m, s.max(-1))
+            # the running max is a shift the softmax cancels: no gradient flows through it
+            # (exact; XLA:CPU at --xla_backend_optimization_level=0 gave NaN dq/dk through the
+            # max's gradient with an additive mask)
+            m_new = jax.lax.stop_gradient(jnp.maximum(m, s.max(-1)))
             p = jnp.exp(s - m_new[..., None])
             if mask is not None:  # a row with every key of this block masked adds nothing
                 p = jnp.where(mask, p, 0.0)
             alpha = jnp.exp(m - m_new)
-            den = den * alpha + p.sum(-1)
+            den = den * alpha + p.sum(-1)  # the softmax's sum: before dropout
+            if dropout:  # dropped probabilities, the kept ones scaled by 1 / (1 - p)
+                rate, dims = dropout[0], dropout[1]
+                keep = _keep_block(kd, dims, rate, b0, h0, b, h, qpos, kpos)
+                p = jnp.where(keep, p * jnp.float32(1.0 / (1.0 - rate)), 0.0)
             vv = _expand_kv(v, h).astype(jnp.float32)
             acc = acc * alpha[..., None] + jnp.einsum("bhqk,bkhd->bhqd", p, vv)
             m = m_new
@@ -198,12 +246,15 @@ def _from_zigzag(x, axes, n, dim):
     return jnp.concatenate([r0, r1], axis=dim)
 
 
-def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extras=None):
+def _make_attention(
+    mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extras=None, dropout_p=0.0
+):
     """The JAX function (q, k, v, *extras) -> out: one shard_map over ``a2a + ring``, sequences
     split on those axes (ring major), the batch on ``bax`` and the heads on ``hax`` (tensor
     parallel: each device's heads, None: whole); the zig-zag reorder inside it when a causal
     ring runs. ``extras`` (a tuple of "lens", "segments", "mask", in that order; ``varlen`` is
-    "lens") are the masks' inputs, Note [Context parallel masks]."""
+    "lens") are the masks' inputs, Note [Context parallel masks]. ``dropout_p``: attention
+    dropout, the seed (an int64 scalar, as the unsharded attention rule's) the last input."""
     extras = tuple(extras or ()) or (("lens",) if varlen else ())
     sizes = dict(mesh.shape)
     n_ring = int(np.prod([sizes[a] for a in ring]))
@@ -221,22 +272,23 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
             extra_specs.append(None)  # filled per call (its batch dim may broadcast)
     zigzag = causal and n_ring > 1
 
-    def zigzagged(extras):
+    def zigzagged(extras, dropout=None):
         """The body, with the zig-zag reorder in and out inside the region (ppermutes over the
         sequence axes: q, k, v, segments and mask rows stay split, never gathered)."""
-        body = _body(a2a, ring, n_ring, scale, causal, extras)
+        body = _body(a2a, ring, n_ring, scale, causal, extras, dropout)
         if not zigzag:
             return body
 
         def region(q, k, v, qpos, kpos, *rest):
             q, k, v = (_to_zigzag(x, seq_axes, n, 1) for x in (q, k, v))
             rest = list(rest)
+            kd = [rest.pop()] if dropout else []
             if "segments" in extras:
                 i = 2 if "lens" in extras else 0
                 rest[i], rest[i + 1] = (_to_zigzag(x, seq_axes, n, 1) for x in rest[i : i + 2])
             if "mask" in extras:  # rows follow the queries; columns are picked by position
                 rest[-1] = _to_zigzag(rest[-1], seq_axes, n, 2)
-            return _from_zigzag(body(q, k, v, qpos, kpos, *rest), seq_axes, n, 1)
+            return _from_zigzag(body(q, k, v, qpos, kpos, *rest, *kd), seq_axes, n, 1)
 
         return region
 
@@ -249,23 +301,31 @@ def _make_attention(mesh, bax, a2a, ring, scale, causal, varlen, hax=None, extra
         # inputs, results (and so the gradients) stay split on the sequence outside the region
         q, k, v = (jax.lax.with_sharding_constraint(x, laid) for x in (q, k, v))
         rest = list(rest)
+        kd = []
+        if dropout_p:  # the seed -> the key's data, replicated into the region
+            kd = [jax.random.key_data(jax.random.key(rest.pop().astype(jnp.int64)))]
         specs, active = (list(extra_specs), extras) if rest else ([], ())
         if "mask" in active:
             mask = rest[-1]
-            specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, None, seq, None)
+            heads = hax if mask.shape[1] > 1 else None
+            specs[-1] = P(bax if mask.shape[0] == q.shape[0] else None, heads, seq, None)
         qpos = jnp.arange(q.shape[1], dtype=jnp.int32)
         kpos = jnp.arange(k.shape[1], dtype=jnp.int32)
         if zigzag:  # the positions of the zig-zag layout (its reorder runs inside the region)
             order = np.array(_zigzag_order(n))
             c = q.shape[1] // (2 * n)
             qpos = kpos = qpos.reshape(2 * n, c)[order].reshape(-1)
+        body = bodies[active]
+        if dropout_p:
+            dims = (q.shape[0], q.shape[2], q.shape[1], k.shape[1])
+            body = zigzagged(active, (dropout_p, dims, bax, hax))
         out = jax.shard_map(
-            bodies[active],
+            body,
             mesh=mesh,
-            in_specs=(spec, spec, spec, pos_spec, pos_spec, *specs),
+            in_specs=(spec, spec, spec, pos_spec, pos_spec, *specs, *([P()] * len(kd))),
             out_specs=spec,
             check_vma=False,
-        )(q, k, v, qpos, kpos, *rest)
+        )(q, k, v, qpos, kpos, *rest, *kd)
         return jax.lax.with_sharding_constraint(out, laid)
 
     return fwd

@@ -45,11 +45,11 @@ copy of this process's shards on the host. Its snapshot (``snapshot(on_device=Tr
 device-to-device copy of each unique block (``jax.device_put(may_alias=False)``: a new buffer,
 ordered before the next step's programs on the device, so donating the original is safe) and
 returns at once; the background writer reads the copies to the host one block at a time as DCP
-writes them. The training thread pays only for enqueuing the copies; the device holds one extra
-copy of the local shards until the write ends; the host holds one block. On a CPU device, where
-device memory is host memory, the copy itself is the one host copy, and the writer reads it in
-place (``transfer.read_view``: a second, per-block host copy (``np.array``) used to make a save
-hold ~2 copies and cost the cores a second memcpy).
+writes them: the device holds one extra copy until the write ends, the host one block. On a CPU
+device the copy is host memory and the writer reads it in place (``transfer.read_view``). The
+writer thread runs ``writer_nice`` below the training's priority (Linux: a thread's own niceness):
+where the steps keep the host's cores busy, its serialization and page-cache writes (~5 CPU-s per
+1.5 GB) take what the steps leave, and the write takes longer.
 """
 
 from __future__ import annotations

@@ -168,8 +168,9 @@ class CheckpointManager:
 
     ``process_group``: the group DCP coordinates through (default: the default group when
     ``torch.distributed`` is initialized; a single process needs none). ``max_pending_async``
-    bounds the asynchronous saves in flight. ``chkpt_on_preemption`` (torch_xla's preemption
-    sync through its coordinator) is not supported: passing True raises.
+    bounds the asynchronous saves in flight; their writer thread runs ``writer_nice`` below the
+    training's priority (Note [Asynchronous saves] in checkpoint.py; 0: the same).
+    ``chkpt_on_preemption`` (torch_xla's preemption sync) is not supported: passing True raises.
     """
 
     def __init__(
@@ -181,6 +182,7 @@ class CheckpointManager:
         num_of_threads=1,
         process_group=None,
         chkpt_on_preemption=False,
+        writer_nice=10,
     ):
         if not isinstance(save_interval, int) or save_interval <= 0:
             raise ValueError(
@@ -191,6 +193,10 @@ class CheckpointManager:
         if max_pending_async is None or max_pending_async <= 0:
             raise ValueError(
                 f"CheckpointManager: max_pending_async must be positive, got {max_pending_async!r}"
+            )
+        if not isinstance(writer_nice, int) or not 0 <= writer_nice <= 19:
+            raise ValueError(
+                f"CheckpointManager: writer_nice must be in 0..19, got {writer_nice!r}"
             )
         if chkpt_on_preemption:
             raise NotImplementedError(
@@ -203,7 +209,9 @@ class CheckpointManager:
         self.num_of_threads = num_of_threads
         self.chkpt_on_preemption = False
         self.pg = process_group
-        self._pool = ThreadPoolExecutor(max_workers=1)
+        self.writer_nice = writer_nice
+        nice = writer_nice if os.uname().sysname == "Linux" else 0  # elsewhere: per process
+        self._pool = ThreadPoolExecutor(max_workers=1, initializer=os.nice, initargs=(nice,))
         self._async_sem = threading.Semaphore(max_pending_async)
         self._futures = []
         self._save_mutex = threading.Lock()

@@ -15,10 +15,10 @@ pending graph (``torchacc.distributed.collectives``) and run by XLA at the next 
 their Work objects are complete at once, as in torch_xla. CPU tensors work too, through a copy
 to the device and back (running just that collective at once). ``barrier`` waits on the JAX
 coordination service. ``send``/``recv`` are one ppermute each, run at once as torch's blocking
-calls are (the peers' matching calls run the same op; with more than two processes, a program of
-the two peers alone); ``batch_isend_irecv`` records one collective_permute per permutation the
-ranks' lists form together (a ring: one). Rooted gather/scatter raise ``NotImplementedError``;
-so does any collective on a group smaller than the whole job.
+calls are (the peers' matching calls run the same op; with more than two processes, or in SPMD
+mode, a program of the two peers alone); ``batch_isend_irecv`` records one collective_permute per
+permutation the ranks' lists form together (a ring: one). Rooted gather/scatter raise
+``NotImplementedError``; so does any collective on a group smaller than the whole job.
 """
 
 from __future__ import annotations
@@ -266,12 +266,12 @@ class ProcessGroupXla(dist.ProcessGroup):
         """``collective_permute(t, [(me, dst)])``, run at once; the peer's matching ``recv`` runs
         the same op (sends and receives pair up in the order each rank issues them)."""
         t, dst = self._p2p("send", tensors, dst)
-        collectives.send_recv(t, runtime.rank(), dst, "send")
+        point_to_point.send_recv(t, runtime.rank(), dst, "send")
         return _done(tensors)
 
     def recv(self, tensors, src, tag=0):
         t, src = self._p2p("recv", tensors, src)
-        result = collectives.send_recv(t, src, runtime.rank(), "recv")
+        result = point_to_point.send_recv(t, src, runtime.rank(), "recv")
         with torch.no_grad():
             t.copy_(result)
         return _done(tensors)

@@ -14,11 +14,8 @@ Estimates: "activations" (forward values the backward reads, from the traced gra
 the data axes where their leading dimension is the batch: a breakdown of ``temp``, which already
 holds them); depth extrapolation (a model deeper than ``full_depth_max`` layers is compiled at 1
 and 2 layers and every number extended linearly to its depth: layers are identical, so each adds
-the same bytes, FLOPs and collectives); pipeline parallelism (one stage of L/pp layers is
-compiled with the embedding and head, on a micro-batch; 1F1B keeps up to pp micro-batches of
-activations; the bubble and the activation sends between stages are added analytically; kept
-for when the planner compiles ta.dist.PipelineParallel's step: pp > 1 is refused until then,
-``_check_layout``); and
+the same bytes, FLOPs and collectives; under pp the whole pipelined model is compiled at pp
+and 2 pp layers, one and two per stage); and
 the step time: ``max(FLOPs / peak, bytes accessed / HBM bandwidth) + sum over collectives of
 their ring-algorithm bytes / link bandwidth`` (no overlap of communication with compute; a mesh
 axis whose devices lie within one node of ``gpus_per_node`` uses the intra-node link, else the
@@ -30,33 +27,37 @@ loop: the gallery's ``ScannedLayers`` runs the same blocks with the same weights
 the step's bytes, FLOPs and collectives are those of the loop up to XLA's scheduling; what scan
 buys a real run (a compile flat in depth) the planner gets from depth extrapolation.
 
+Pipeline parallel (pp > 1) is ``ta.dist.PipelineParallel``'s own compiled step (Note [What the
+planner compiles under pp] in pipeline.py): its memory, its pp sends and its executed FLOPs
+(bubble ticks included, Note [FLOPs of the pipelined step]) are measured like any other step's.
+
 Note [Layouts]
-The mesh of one pipeline stage has axes (dp, fsdp, cp, tp), tp innermost (devices numbered
-row-major, pp outermost). dp and fsdp split the batch (dim 0); cp splits the sequence (dim 1);
-fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec, distributed/fsdp.py) and
-its gradient and optimizer state alike; tp splits Megatron pairs: column layers (q/k/v, gate/up,
-c_attn, c_fc, lm_head; and the token embedding) on dim 0, row layers (o_proj, down_proj,
-c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp left. Activations whose dim 0
-is the batch are constrained to the data axes (Note [Activation layout] in compile.py). XLA's
-partitioner inserts every collective, as in a real SPMD run.
+Without pp the mesh has axes (dp, fsdp, cp, tp), tp innermost (devices numbered row-major);
+with pp it is ta.dist.PipelineParallel's (dp, fsdp, pp) mesh (TorchAcc's topology order), each
+stage's parameters one packed row split over (pp, fsdp). dp and fsdp split the batch (dim 0);
+cp splits the sequence (dim 1), attention running as dist.sp's region (Note [Context parallel
+in a plan] in compile.py); fsdp splits each parameter's dim 0 (the sharding engine's FSDP spec,
+distributed/fsdp.py) and its gradient and optimizer state alike; tp splits Megatron pairs:
+column layers (q/k/v, gate/up, c_attn, c_fc, lm_head; and the token embedding) on dim 0, row
+layers (o_proj, down_proj, c_proj) on dim 1; with fsdp and tp, fsdp takes the dimension tp
+left. Without cp, activations whose dim 0 is the batch are constrained to the data axes (Note
+[Activation layout] in compile.py). XLA's partitioner inserts every collective, as in a real
+SPMD run.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 import os
 import re
-import subprocess
-import sys
-import threading
-import time
 
 from torchacc import hardware
 from torchacc.plan import roofline
 from torchacc.plan.models import PlanError, known_models, resolve
+from torchacc.plan.pipeline import pipelinable, why_not_pipelinable
 from torchacc.plan.roofline import format_table
+from torchacc.plan.runner import run_worker as _run_worker
 
 __all__ = [
     "Plan",
@@ -194,16 +195,26 @@ def _check_layout(spec, mesh, devices, batch_size, seq_len, microbatches):
                 raise PlanError(
                     f"tp={mesh['tp']} does not divide {spec.name}'s {kv} key/value heads"
                 )
-        if spec.n_layer and spec.n_layer % mesh["pp"]:
-            raise PlanError(f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers")
-        if mesh["pp"] > 1:  # (roofline.py keeps a one-stage estimate, unchecked against a run)
+        if mesh["pp"] > 1:  # Note [What the planner compiles under pp] in pipeline.py
+            if spec.n_layer and spec.n_layer % mesh["pp"]:
+                raise PlanError(
+                    f"pp={mesh['pp']} does not divide {spec.name}'s {spec.n_layer} layers (each "
+                    "stage takes the same number of blocks)"
+                )
+            if mesh["tp"] > 1 or mesh["cp"] > 1:
+                raise PlanError(
+                    f"pp={mesh['pp']} with tp={mesh['tp']}, cp={mesh['cp']}: pipeline parallel "
+                    "(ta.dist.PipelineParallel) composes with dp and fsdp only"
+                )
+            if not spec.layer_prefix:
+                raise PlanError(
+                    f"pp={mesh['pp']}: {spec.name} names no repeated blocks to cut into stages"
+                )
+        if mesh["cp"] > 1 and seq_len % (2 * mesh["cp"]):
             raise PlanError(
-                f"pp={mesh['pp']}: the planner does not plan pipeline parallelism yet (its "
-                "program is not ta.dist.PipelineParallel's step, so no plan of it is checked); "
-                "plan with pp=1 (dp, fsdp, tp, cp)"
+                f"cp={mesh['cp']} needs seq_len divisible by 2 x cp = {2 * mesh['cp']} (context "
+                f"parallel's load-balanced causal split), got seq_len {seq_len}"
             )
-        if seq_len % mesh["cp"]:
-            raise PlanError(f"cp={mesh['cp']} does not divide seq_len {seq_len}")
         if spec.max_seq and seq_len > spec.max_seq:
             raise PlanError(f"seq_len {seq_len} > {spec.name}'s context of {spec.max_seq}")
     elif mesh["tp"] > 1 or mesh["pp"] > 1 or mesh["cp"] > 1:
@@ -344,13 +355,23 @@ def _prepare(
     n = math.prod(m.values())
     if devices is not None and n != devices:
         _check_layout(spec, m, devices, batch_size, seq_len, 1)
+    if microbatches is not None and (
+        not isinstance(microbatches, int) or isinstance(microbatches, bool) or microbatches < 1
+    ):
+        raise PlanError(f"microbatches {microbatches!r} must be a positive whole number")
     mb = (microbatches or 2 * m["pp"]) if m["pp"] > 1 else 1
     _check_layout(spec, m, n, batch_size, seq_len, mb)
+    if m["pp"] > 1:
+        why = why_not_pipelinable(spec)
+        if why:
+            raise PlanError(f"pp={m['pp']}: {spec.name} cannot be cut into stages: {why}")
     stage_layers = spec.n_layer // m["pp"] if spec.n_layer else None
     if stage_layers and not full_depth and stage_layers > FULL_DEPTH_MAX:
-        depths = [1, 2]
+        depths = [1, 2]  # layers per stage; the whole model has pp x as many
     else:
         depths = [stage_layers] if stage_layers else [None]
+    if m["pp"] > 1:  # the whole pipelined model is compiled: depths count all its layers
+        depths = [d * m["pp"] for d in depths]
     req = dict(
         model=model, batch_size=batch_size, seq_len=seq_len, precision=precision,
         optimizer=optimizer, gc=bool(gc), scan_layers=bool(scan_layers), microbatches=mb,
@@ -389,91 +410,35 @@ def _run(prepared, progress):
     return plans
 
 
-def _run_worker(jobs, n_devices, progress):
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "")
-    flags = re.sub(r"--xla_force_host_platform_device_count=\d+", "", flags)
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n_devices}".strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    env.pop("CPU_NUM_DEVICES", None)
-    env.pop("XLA_USE_SPMD", None)
-    say = progress or _stderr_progress
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "torchacc.plan._worker"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-        text=True,
-    )  # fmt: skip
-    proc.stdin.write(json.dumps({"jobs": jobs}))
-    proc.stdin.close()
-    err_lines = []
-    start = time.perf_counter()
-    state = {"msg": "starting"}
-    done = threading.Event()
-
-    def read_err():
-        for line in proc.stderr:
-            if line.startswith("[plan-progress] "):
-                state["msg"] = line[len("[plan-progress] ") :].strip()
-                say(f"plan: {state['msg']} ... {time.perf_counter() - start:.0f} s")
-            else:
-                err_lines.append(line)
-
-    def tick():
-        while not done.wait(10):
-            say(f"plan: {state['msg']} ... {time.perf_counter() - start:.0f} s")
-
-    t_err = threading.Thread(target=read_err, daemon=True)
-    t_tick = threading.Thread(target=tick, daemon=True)
-    t_err.start()
-    t_tick.start()
-    out = proc.stdout.read()
-    proc.wait()
-    done.set()
-    t_err.join(5)
-    raws = []
-    for line in out.splitlines():
-        if line.startswith("{"):
-            d = json.loads(line)
-            if "error" in d:
-                raise PlanError(d["error"])
-            raws.append(d)
-    if proc.returncode != 0 or not raws:
-        tail = "".join(err_lines[-30:])
-        hint = ""
-        if proc.returncode in (-9, 137):
-            hint = " (killed: out of host memory?)"
-        raise PlanError(f"the planner's compile failed{hint}:\n{tail}")
-    return raws
-
-
-def _stderr_progress(line):
-    print(line, file=sys.stderr, flush=True)
-
-
 def _divisors(n):
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def candidate_layouts(spec, devices, batch_size, seq_len, gpus_per_node, max_pp=8):
+def candidate_layouts(spec, devices, batch_size, seq_len, gpus_per_node, max_pp=4, pp=None):
     """Every (dp, fsdp, tp, pp, cp) whose product is ``devices`` and that the model and batch
-    allow (tp within a node and dividing the heads, pp dividing the layers, cp the sequence)."""
+    allow (tp within a node and dividing the heads, pp dividing the layers, cp the sequence;
+    pp at most ``max_pp``, and only where the model is pipelinable: ``pp`` True/False, None to
+    ask :func:`pipelinable`)."""
+    if pp is None:
+        pp = pipelinable(spec)
+    max_pp = max_pp if pp else 1
     out = []
     for tp in _divisors(devices):
         if tp > gpus_per_node:
             continue
-        for pp in _divisors(devices // tp):
-            if pp > max_pp:
+        for p in _divisors(devices // tp):
+            if p > max_pp:
                 continue
-            for cp in _divisors(devices // tp // pp):
-                rest = devices // tp // pp // cp
+            for cp in _divisors(devices // tp // p):
+                rest = devices // tp // p // cp
                 for dp in _divisors(rest):
-                    m = dict(dp=dp, fsdp=rest // dp, tp=tp, pp=pp, cp=cp)
-                    mb = 2 * pp if pp > 1 else 1
+                    m = dict(dp=dp, fsdp=rest // dp, tp=tp, pp=p, cp=cp)
+                    mb = 2 * p if p > 1 else 1
                     try:
                         _check_layout(spec, m, devices, batch_size, seq_len, mb)
                     except PlanError:
                         continue
-                    if spec.kind != "lm" and (tp > 1 or pp > 1 or cp > 1):
+                    if spec.kind != "lm" and (tp > 1 or p > 1 or cp > 1):
                         continue
                     out.append(m)
     return out

@@ -32,6 +32,18 @@ def compile_one(spec, req, layout, n_layer, devices):
     micro = req["microbatches"] if pp > 1 else 1
     batch = req["batch_size"] // micro
     seq = req["seq_len"]
+    n_stage = math.prod(mesh_shape.values())
+    grid = np.array(devices[:n_stage], dtype=object).reshape([mesh_shape[a] for a in pc.AXES])
+    mesh = jax.sharding.Mesh(grid, pc.AXES)
+    P = jax.sharding.PartitionSpec
+    NS = jax.sharding.NamedSharding
+    batch_axes = tuple(a for a in pc.DATA_AXES if mesh_shape[a] > 1)
+    data_axes = batch_axes or None
+    if data_axes and len(data_axes) == 1:
+        data_axes = data_axes[0]
+    cp = None
+    if mesh_shape["cp"] > 1 and spec.kind == "lm":  # Note [Context parallel in a plan]
+        cp = (mesh, batch_axes, "tp" if mesh_shape["tp"] > 1 else None)
     t0 = time.perf_counter()
     gm, roles_in, roles_out, info = pc.trace(
         spec,
@@ -42,19 +54,13 @@ def compile_one(spec, req, layout, n_layer, devices):
         optimizer=req["optimizer"],
         gc=req["gc"],
         scan_layers=req["scan_layers"],
+        cp=cp,
     )
     t_trace = time.perf_counter() - t0
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    n_stage = math.prod(mesh_shape.values())
-    grid = np.array(devices[:n_stage], dtype=object).reshape([mesh_shape[a] for a in pc.AXES])
-    mesh = jax.sharding.Mesh(grid, pc.AXES)
-    P = jax.sharding.PartitionSpec
-    NS = jax.sharding.NamedSharding
-    data_axes = tuple(a for a in pc.DATA_AXES if mesh_shape[a] > 1) or None
-    if data_axes and len(data_axes) == 1:
-        data_axes = data_axes[0]
     constrain = None
-    if req.get("constrain", True) and (data_axes or mesh_shape["cp"] > 1) and spec.kind == "lm":
+    # (no activation constraints under cp: Note [Context parallel in a plan] in compile.py)
+    if req.get("constrain", True) and data_axes and mesh_shape["cp"] == 1 and spec.kind == "lm":
         constrain = pc.activation_constraint(mesh, data_axes, mesh_shape, batch, seq)
     run, n_in = pc.lower_to_jax(gm, constrain)
 
@@ -201,7 +207,12 @@ def main():
                 _progress(
                     f"{req['model']} {j + 1}/{len(jobs)} {axes}: {what} ({k + 1}/{len(depths)})"
                 )
-                r = compile_one(spec, req, layout, depth, devices)
+                if layout.get("pp", 1) > 1:  # Note [What the planner compiles under pp]
+                    from torchacc.plan.pipeline import compile_pp
+
+                    r = compile_pp(spec, req, layout, depth, devices)
+                else:
+                    r = compile_one(spec, req, layout, depth, devices)
                 r["job"] = j
                 r["full_params"], r["full_embed_params"] = full_params, full_embed
                 r["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -26,6 +26,15 @@ one backward each. Traced on the CPU instead, those layers decomposed into PyTor
 attention's key/value heads repeated, every intermediate saved for the backward): another
 program, whose XLA temp was 12% above a real LLaMA-tiny FSDP step's (tests/test_plan.py).
 
+Note [Context parallel in a plan]
+With cp > 1 the planned step is the one ``ta.accelerate`` runs for ``Config.dist.sp``: the fake
+model is wrapped by ``context_parallel.model.parallelize`` over the plan mesh's ``cp`` axis, so
+its attention calls trace into the ring / Ulysses region (a ``shard_map`` with all-to-all or
+ppermute; "auto" picks as dist.sp does), the token ids and labels lie (data axes, cp), and, as
+dist.sp constrains only the model's inputs, no activation gets a sharding constraint (Note
+[Activation layout] is the dp / fsdp front doors'); XLA's partitioner carries the sequence split
+through every per-token layer.
+
 The compiled executable's ``memory_analysis()``, ``cost_analysis()`` and HLO text are per device
 (XLA's SPMD partitioner has already split the program).
 """
@@ -143,14 +152,21 @@ def make_batch(spec, fake, batch, seq):
         ]
 
 
-def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers):
-    """The functionalized FX graph of one training step and the roles of its inputs/outputs."""
+def trace(spec, *, n_layer, batch, seq, precision, optimizer, gc, scan_layers, cp=None):
+    """The functionalized FX graph of one training step and the roles of its inputs/outputs.
+    ``cp``: ``(mesh, batch_axes, head_axis)`` for context parallel (Note [Context parallel in
+    a plan])."""
     from torch.fx.experimental.proxy_tensor import make_fx
     from torch.nn.utils import stateless
 
     from torchacc.dynamo.aot import decompositions
 
     model, fake = _build(spec, n_layer, scan_layers, gc)
+    if cp is not None:
+        from torchacc.context_parallel import model as cp_model
+
+        mesh, batch_axes, head_axis = cp
+        cp_model.parallelize(model, mesh, "cp", batch_axes, head_axis, "auto", "plan cp")
     named = list(model.named_parameters())  # tied weights once
     names = [n for n, _ in named]
     params = [p for _, p in named]

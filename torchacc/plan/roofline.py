@@ -58,7 +58,9 @@ _RING = {
 
 def _axis_bandwidth(axes, mesh, acc, gpus_per_node):
     """Bandwidth of a collective over ``axes``: the link when the group lies in one node."""
-    order = ("pp", "dp", "fsdp", "cp", "tp")  # row-major device numbering, tp innermost
+    # row-major device numbering, tp innermost; pp after the data axes (TorchAcc's topology,
+    # the mesh ta.dist.PipelineParallel builds)
+    order = ("dp", "fsdp", "pp", "cp", "tp")
     span = 1
     for a in axes:
         inner = math.prod(mesh[b] for b in order[order.index(a) + 1 :])
@@ -67,41 +69,26 @@ def _axis_bandwidth(axes, mesh, acc, gpus_per_node):
 
 
 def assemble(spec, req, mesh, micro, raws, depths, acc, gpus_per_node, limit, n_devices, device):
-    stage_layers = (spec.n_layer // mesh["pp"]) if spec.n_layer else None
-    r = _extrapolate(raws, depths, stage_layers) if len(raws) > 1 else raws[0]
-    pp = mesh["pp"]
+    # the compiled program is one optimizer step: with pp, ta.dist.PipelineParallel's whole
+    # pipelined step (every micro-batch, the schedule's bubble ticks and its sends included:
+    # Note [What the planner compiles under pp] and Note [FLOPs of the pipelined step] in
+    # pipeline.py; its depths count the whole model's layers), else the one-program step
+    r = _extrapolate(raws, depths, spec.n_layer) if len(raws) > 1 else raws[0]
     coll_bytes, coll_time = {}, {}
     for (op, axes, n), (nb, _cnt) in _coll_totals(r["collectives"]).items():
         key = "+".join(axes)
-        coll_bytes[key] = coll_bytes.get(key, 0) + nb * micro
+        coll_bytes[key] = coll_bytes.get(key, 0) + nb
         bw = _axis_bandwidth(axes, mesh, acc, gpus_per_node)
-        coll_time[key] = coll_time.get(key, 0.0) + nb * micro * _RING[op](n) / bw
-    # numbers of one micro-batch's compiled step, made into one optimizer step's
-    flops = r["flops"] * micro
-    bytes_accessed = r["bytes_accessed"] * micro
+        coll_time[key] = coll_time.get(key, 0.0) + nb * _RING[op](n) / bw
+    flops = r["flops"]
+    bytes_accessed = r["bytes_accessed"]
     act = r["activations"]
     temp = r["temp"]
     total = r["argument"] + r["output"] - r["alias"] + r["temp"]
-    if pp > 1:
-        # 1F1B: the first stage holds min(pp, micro) micro-batches' activations
-        extra = act * (min(pp, micro) - 1)
-        act += extra
-        total += extra
-        d = spec.d_model or 0
-        send = (
-            (req["batch_size"] // micro)
-            * req["seq_len"]
-            * d
-            * 2
-            // (mesh["dp"] * mesh["fsdp"] * mesh["cp"])
-        )  # bf16 activations (and their gradients) per micro-batch and boundary
-        coll_bytes["pp"] = 2 * send * micro
-        coll_time["pp"] = coll_bytes["pp"] / _axis_bandwidth(("pp",), mesh, acc, gpus_per_node)
     peak = acc.peak("bfloat16" if req["precision"] == "bf16" else "float32")
     t_compute = flops / peak
     t_mem = bytes_accessed / acc.hbm_bw
-    bubble = (micro + pp - 1) / micro if pp > 1 else 1.0
-    step = max(t_compute, t_mem) * bubble + sum(coll_time.values())
+    step = max(t_compute, t_mem) + sum(coll_time.values())
     tokens = req["batch_size"] * (req["seq_len"] if spec.kind == "lm" else 1)
     n_params = raws[0]["full_params"]  # the whole model (a pp stage holds L/pp layers)
     if spec.kind == "lm" and spec.n_layer and spec.d_model:

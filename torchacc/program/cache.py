@@ -85,13 +85,16 @@ def compiled_for(graph, args, shardings=None):
             exe = fn.lower(*args, *offsets).compile()
             if offsets:
                 exe = _WithOffsets(exe, offsets)
-    metrics.record_time("CompileTime", time.perf_counter() - start)
+    seconds = time.perf_counter() - start
+    metrics.record_time("CompileTime", seconds)
     if graph.donate:
         metrics.record_value("InputOutputAliasCount", len(graph.donate))
-    metrics.counter_inc("PersistentCacheHit" if _persistent_hits[0] > hits else "UncachedCompile")
+    loaded = _persistent_hits[0] > hits
+    metrics.counter_inc("PersistentCacheHit" if loaded else "UncachedCompile")
     metrics.program_compiled(exe)  # its FLOPs (Note [Step FLOPs] in metrics.py)
     _cache[key] = exe
-    release_freed_memory()
+    if not loaded and seconds >= TRIM_AFTER_COMPILE_S:  # Note [Giving a compile's memory back]
+        release_freed_memory()
     return exe
 
 
@@ -100,9 +103,14 @@ def compiled_for(graph, args, shardings=None):
 # threads; glibc keeps what they free in its arenas, where the step's own buffers (XLA:CPU takes
 # its temp memory in one large mapping) do not reuse it. So a process that compiled GPT-2 124M's
 # step peaked ~0.6 GiB higher at every later step than one that loaded it from the persistent
-# cache. After each compile (a cache miss: rare, and seconds long) ``malloc_trim`` hands the free
-# pages back to the OS. It only releases memory that nothing uses, and costs milliseconds. Off
-# where the C library has no ``malloc_trim`` (not glibc) or with TORCHACC_MALLOC_TRIM=0.
+# cache. After a compile of at least ``TRIM_AFTER_COMPILE_S`` that missed the persistent cache,
+# ``malloc_trim`` hands the free pages back to the OS. It only releases memory that nothing uses,
+# but it walks every arena of the heap: ~0.1 s of CPU in a test process that had compiled a few
+# dozen small programs, which is more than a small program's whole compile. A small compile frees
+# little, so only long ones trim (a test file of 300 tiny programs spent 13% of its CPU trimming
+# before). Off where the C library has no ``malloc_trim`` (not glibc) or with
+# TORCHACC_MALLOC_TRIM=0.
+TRIM_AFTER_COMPILE_S = 1.0
 _malloc_trim = []
 
 

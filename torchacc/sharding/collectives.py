@@ -425,7 +425,8 @@ def send_recv(value, source, target, name="send"):
     the receiver), run at once with just what it needs, so the sender's and the receiver's
     programs hold the same collective in the order they call. In a job of more than two processes
     the ppermute is a program over the two processes' devices alone (``manual.pair_permute``):
-    the others take no part. The receiver's result."""
+    the others take no part (in SPMD mode ``point_to_point.send_recv`` takes a program of the
+    two peers instead, Note [Send and receive in SPMD mode]). The receiver's result."""
     if source == target:
         return value
     if world_size() > 2 and in_region() is None:  # a program of the two processes alone

@@ -8,11 +8,33 @@ Note [SPMD mode] is in torchacc/sharding/mesh.py. Here, for one program:
 - every result that overwrites a tensor's previous data (its storage's ``start``: a parameter, an
   optimizer moment, a running statistic) keeps that data's sharding, so state does not drift to
   another layout between steps (which would compile a second program and move data every step);
-  a result the step creates (no previous data) with the shape and dtype of a sharded argument
-  takes that argument's layout (a parameter's gradient, optimizer state made by ``zeros_like``:
-  ZeRO-3 keeps them sharded like their parameter, and XLA cannot express the padded layout of
-  Note [Padded shards] itself); other results are left to XLA's sharding propagation;
+  a result the step creates (no previous data) takes the layout of the data it derives from
+  (Note [A new result's layout]); other results are left to XLA's sharding propagation;
 - both go into the program's key, and the argument shardings into a known step's launch key.
+
+Note [A new result's layout]
+A step creates results that belong to a parameter without overwriting it: its gradient (with
+``zero_grad(set_to_none=True)``) and, at the first step, its optimizer moments (``zeros_like``,
+then ``lerp``/``addcmul`` with the gradient). They must come out laid out like their parameter:
+otherwise the next step reshards them into the update every step, and ZeRO-3 would hold them
+whole (XLA cannot express the padded layout of Note [Padded shards] itself). What ties them to
+their parameter is the program, not their shape: the optimizer combines the gradient, the moments
+and the parameter elementwise into the parameter's update. So the program's values are grouped by
+elementwise derivation: two values are in one group when an elementwise op (``torch.Tag.
+pointwise``, a copy or cast, a ``*_like`` factory, ``zero_``/``fill_``, a ``_foreach_*`` op
+element by element, a fused optimizer's list update index by index) reads one and writes the
+other at the same shape. A new result takes:
+
+1. the layout of the previous data of the state its group updates (the parameter an AdamW step
+   overwrites, whatever layout the gradient argument came in: a gradient made by a backward-only
+   program that XLA laid out), if that is one layout;
+2. else the layout of the group's arguments, if that is one layout (``x * 2`` of a sharded input);
+3. else none: XLA's sharding propagation picks one and JAX hands the result back laid out as
+   XLA chose (``backward()`` alone: nothing in the program ties the gradient to its parameter).
+
+A shape and dtype shared by chance decide nothing: under Megatron tensor parallelism ``q_proj``
+and ``o_proj`` are both ``h x h``, split on other dimensions, and each gradient and moment keeps
+its own parameter's split; a replicated norm weight's gradient stays replicated.
 
 Note [Padded shards]
 JAX lays an array out only if each sharded dimension divides evenly over its mesh axes, while
@@ -27,7 +49,9 @@ keeps a padded tensor's layout on exit (``unpadded``); XLA fuses both into their
 from __future__ import annotations
 
 import jax
+import torch
 
+from torchacc.ir import TensorSlot
 from torchacc.runtime import processes
 from torchacc.sharding import mesh
 
@@ -89,10 +113,7 @@ def plan(graph, outputs, starts):
         tuple(a.shape) if tuple(a.shape) != tuple(v.desc[0]) else None
         for a, v in zip(arrays, graph.loose)
     )
-    like = {}  # (logical shape, dtype) -> the first sharded argument of it
-    for a, v in zip(arrays, graph.loose):
-        if any(e is not None for e in a.sharding.spec):
-            like.setdefault((tuple(v.desc[0]), v.desc[2]), a)
+    derived = None  # Note [A new result's layout], computed when a result needs it
     outs, out_pads = [], []
     for i in graph.out_order:  # the program's order of results (Note [Donation pairs])
         v = outputs[i]
@@ -102,7 +123,11 @@ def plan(graph, outputs, starts):
         if start is None and _constrained(v):  # marked in the step: its constraint decides
             a = None
         elif getattr(a, "sharding", None) is None or tuple(start.desc[0]) != logical:
-            a = like.get((logical, v.desc[2])) if start is None else None
+            a = None
+            if logical:  # a scalar is replicated whatever the rule
+                if derived is None:
+                    derived = _derived_layouts(graph, outputs, starts)
+                a = derived[i]
         if a is None:
             outs.append(None)
             out_pads.append(None)
@@ -110,6 +135,129 @@ def plan(graph, outputs, starts):
             outs.append(a.sharding)
             out_pads.append(tuple(a.shape) if tuple(a.shape) != logical else None)
     return ins, tuple(outs), in_pads, tuple(out_pads)
+
+
+def _derived_layouts(graph, outputs, starts):
+    """Per output of ``graph``, the argument array whose layout it takes if it is new, or None
+    (Note [A new result's layout])."""
+    find = _groups(graph)
+    updated, given = {}, {}  # group -> {(sharding, array shape, logical shape): array}
+    for j, start in enumerate([None] * len(outputs) if starts is None else starts):
+        a = None if start is None else start.buf
+        if getattr(a, "sharding", None) is not None:
+            group = updated.setdefault(find(graph.out_slots[j]), {})
+            group[(a.sharding, tuple(a.shape), tuple(start.desc[0]))] = a
+    for slot, v in enumerate(graph.inputs):
+        a = v.buf
+        if getattr(a, "sharding", None) is not None:
+            group = given.setdefault(find(slot), {})
+            group[(a.sharding, tuple(a.shape), tuple(v.desc[0]))] = a
+    result = []
+    for j, v in enumerate(outputs):
+        group = find(graph.out_slots[j])
+        found = updated.get(group) or given.get(group) or {}
+        if len(found) == 1 and next(iter(found))[2] == tuple(v.desc[0]):
+            result.append(next(iter(found.values())))
+        else:
+            result.append(None)
+    return result
+
+
+# elementwise ops without the pointwise tag: copies and casts (functional ``copy_``), and the ops
+# that make or overwrite a tensor like their input (``zeros_like``, functional ``zero_``/``fill_``)
+_COPIES = frozenset(
+    [
+        "aten::_to_copy",
+        "aten::copy",
+        "aten::detach",
+        "aten::alias",
+        "aten::lift_fresh_copy",
+        "aten::zero",
+        "aten::fill",
+        "aten::zeros_like",
+        "aten::ones_like",
+        "aten::empty_like",
+        "aten::full_like",
+    ]
+)
+_elementwise_ops: dict = {}
+
+
+def _elementwise(func):
+    """Whether OpOverload ``func`` computes each output element from the same element of its
+    same-shaped inputs."""
+    known = _elementwise_ops.get(func)
+    if known is None:
+        known = isinstance(func, torch._ops.OpOverload) and (
+            torch.Tag.pointwise in func.tags or func._schema.name in _COPIES
+        )
+        _elementwise_ops[func] = known
+    return known
+
+
+def _tensor_slots(template, found):
+    """The TensorSlots in an OpEntry argument template, in order, appended to ``found``."""
+    tp = type(template)
+    if tp is TensorSlot:
+        found.append(template)
+    elif tp is list or tp is tuple:
+        for x in template:
+            _tensor_slots(x, found)
+    elif tp is dict:
+        for x in template.values():
+            _tensor_slots(x, found)
+    return found
+
+
+def _groups(graph):
+    """``find(slot)``: the group of a program slot (inputs, then each node's outputs: Graph's
+    numbering) under elementwise derivation (Note [A new result's layout])."""
+    parent = list(range(len(graph.inputs)))
+    shape = [tuple(v.desc[0]) for v in graph.inputs]
+
+    def find(x):
+        root = x
+        while parent[root] != root:
+            root = parent[root]
+        while parent[x] != root:
+            parent[x], x = root, parent[x]
+        return root
+
+    def join(out, slots):
+        for s in slots:
+            if shape[s] == shape[out]:
+                parent[find(s)] = find(out)
+
+    for node, in_ids in zip(graph.order, graph.key[1][1::2]):
+        op = node.op
+        base = len(parent)
+        parent.extend(range(base, base + len(op.descs)))
+        shape.extend(None if d is None else tuple(d[0]) for d in op.descs)
+        func = op.key[0]
+        kind = op.kind
+        if type(kind) is tuple:  # several lists updated index by index (fused optimizers)
+            lists = [
+                [in_ids[t] for t in x]
+                for x in [*op.args, *op.kwargs.values()]
+                if type(x) in (list, tuple) and x and all(type(t) is TensorSlot for t in x)
+            ]
+            at = base
+            for n in kind:
+                for k in range(n):
+                    if shape[at + k] is not None:
+                        join(at + k, [ids[k] for ids in lists if len(ids) == n])
+                at += n
+        elif not isinstance(func, torch._ops.OpOverload):  # a batched _foreach_* node
+            if len(op.key) > 1 and _elementwise(op.key[1]):
+                for k, template in enumerate(op.args):
+                    if shape[base + k] is not None:
+                        join(base + k, [in_ids[t] for t in _tensor_slots(template, [])])
+        elif _elementwise(func) and not op.rule.rng:
+            ins = [in_ids[t] for t in _tensor_slots([op.args, op.kwargs], [])]
+            for k, d in enumerate(op.descs):
+                if d is not None:
+                    join(base + k, ins)
+    return find
 
 
 def _constrained(v):

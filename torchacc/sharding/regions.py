@@ -18,12 +18,14 @@ by one: the enable records a ``torchacc::manual_enter`` block (local shape), the
 the nodes recorded since that descend from it and replays them as the region's body
 (``rules.IrRegion``); values read in between that do not descend from a block are replicated
 arguments. The blocks still held by tensors stop being pending (they have no global meaning).
+Gradients flow through such a region too: Note [Regions under autograd].
 """
 
 from __future__ import annotations
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchacc.lazy import region as traced_regions
@@ -180,6 +182,17 @@ def shard_map(func, mesh, in_specs, out_specs):
 # the same mesh and axes, recomputing the forward inside the backward's program. Only floating
 # point arguments get gradients; a replicated argument (a closure, a None spec) gets the sum of
 # the per-device gradients, as a replicated input of a per-device function should.
+#
+# A region built with enable_/disable_manual_sharding is the same node, so it gets the same
+# backward; what it needs is the region's arguments as the tensors autograd knows. The ops in
+# between run on blocks that have no global meaning, so torch's own autograd graph through them
+# is never used (the blocks are made without grad). The tensor each enable split is kept with its
+# block; the tensors that require grad and that ops read while a region is open (a weight, or an
+# activation computed before the region) are noted by a TorchFunctionMode active only then
+# (``_ReadsInRegion``: nothing on the per-op path otherwise), by the Value each read. At the
+# disable, an argument whose tensor still holds the Value the region read is passed as that
+# tensor, so the region's ``_RegionCall`` node connects to its autograd history; any other
+# argument is a fresh tensor of its Value, as before (no gradient: it did not require one).
 
 
 class _RegionCall(torch.autograd.Function):
@@ -237,17 +250,55 @@ def enable_manual_sharding(t, partition_spec, mesh):
     call = "enable_manual_sharding"
     if type(t) is not LazyTensor:
         raise ValueError(f"{call}: expects a tensor on the torchacc device, got {t.device}")
+    from torchacc.lazy.record import value_of
+
     jmesh = _jax_mesh(mesh)
     spec, local = _spec(jmesh, partition_spec, tuple(t.shape), call)
-    block = rules.manual_enter_op(t, rules.add_entry(jmesh, spec, local))
+    with torch.no_grad():  # Note [Regions under autograd]: the region's node has the backward
+        block = rules.manual_enter_op(t, rules.add_entry(jmesh, spec, local))
     # collectives called on the blocks run over the mesh's axes until the region ends
     axes = tuple(jmesh.axis_names)
     collectives._regions.append(collectives._Region(axes, np.prod([jmesh.shape[a] for a in axes])))
+    if not _open[0]:
+        _reads.clear()
+        _mode[0] = _ReadsInRegion()
+        _mode[0].__enter__()
     _open[0] += 1
+    if t.requires_grad:
+        _reads[id(value_of(block).node)] = t
     return block
 
 
 _open = [0]  # regions begun by enable_manual_sharding and not ended yet
+# while a region is open (Note [Regions under autograd]): id(Value read) -> the tensor that
+# requires grad which held it, and id(enter node) -> the tensor it split
+_reads: dict = {}
+_mode = [None]
+
+
+class _ReadsInRegion(TorchFunctionMode):
+    """Notes the tensors that require grad which ops read while a region begun by
+    ``enable_manual_sharding`` is open (Note [Regions under autograd])."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from torchacc.lazy.record import value_of
+
+        kwargs = kwargs or {}
+        for t in tree_flatten((args, kwargs))[0]:
+            if isinstance(t, LazyTensor) and t.requires_grad:
+                _reads[id(value_of(t))] = t
+        return func(*args, **kwargs)
+
+
+def _close_regions():
+    """Every region begun by enable_manual_sharding has ended: its collectives' axes and the
+    mode that notes reads go."""
+    while _open[0]:
+        collectives._regions.pop()
+        _open[0] -= 1
+    if _mode[0] is not None:
+        mode, _mode[0] = _mode[0], None
+        mode.__exit__(None, None, None)
 
 
 def in_manual_region(t):
@@ -320,6 +371,7 @@ def disable_manual_sharding(t, partition_spec, full_shape, mesh):
     nodes.sort(key=lambda n: n.seq)
     index = {id(n): k for k, n in enumerate(nodes)}
     args, refs_of_args, specs = [], {}, []
+    sources = []  # per argument, the tensor that requires grad it came from, or None
 
     def ref(v):
         n = v.node
@@ -333,12 +385,14 @@ def disable_manual_sharding(t, partition_spec, full_shape, mesh):
                     raise ValueError(f"{call}: the region's tensors use different meshes")
                 refs_of_args[key] = ("arg", len(args))
                 args.append(n.inputs[0])
+                sources.append(_reads.get(id(n)))
                 specs.append(entry[1])
             return refs_of_args[key]
         key = ("outside", id(v))
         if key not in refs_of_args:  # read in the region, computed outside it: replicated
             refs_of_args[key] = ("arg", len(args))
             args.append(v)
+            sources.append(_reads.get(id(v)))
             from jax.sharding import PartitionSpec
 
             specs.append(PartitionSpec())
@@ -361,11 +415,10 @@ def disable_manual_sharding(t, partition_spec, full_shape, mesh):
     region = rules.add_region(
         rules.Region(jmesh, specs, [spec], tuple(jmesh.axis_names), [(full_shape, t.dtype)])
     )
-    tensors = [fresh(v) for v in args]
-    while _open[0]:
-        collectives._regions.pop()
-        _open[0] -= 1
-    result = rules.manual_region_op(tensors, key, region)[0]
+    _close_regions()
+    tensors = [t if t is not None and value_of(t) is v else fresh(v) for v, t in zip(args, sources)]
+    _reads.clear()
+    result = _call(tensors, key, region)[0]
     _retire_blocks(is_inside)
     return result
 

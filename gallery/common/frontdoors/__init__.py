@@ -10,6 +10,7 @@ module             front door                                       flags
 ``eager.py``       eager PyTorch, DDP (the baseline)                (none), ``--torch_compile``
 ``compiler.py``    the TorchAcc recipe on the lazy XLA device       ``--compiler-opt``
 ``fsdp.py``        FSDPv2 through XLA's SPMD partitioner; FSDP2     ``--fsdp [--compiler-opt]``
+``pipeline.py``    pipeline stages on a (dp, fsdp, pp) mesh         ``--fsdp --compiler-opt --pp``
 ``parallel.py``    torchacc.parallel's modes                        ``--parallel_mode``
 ``dynamo.py``      the whole step through ``compile_step``          ``--compile_mode=dynamo``
 =================  ===============================================  ===========================
@@ -35,7 +36,9 @@ def select(args: argparse.Namespace, logger) -> FrontDoor:
     compiler = enable_torchacc_compiler() and not dynamo
     fsdp = bool(getattr(args, "fsdp", False))
     if compiler:
-        if fsdp:
+        if fsdp and getattr(args, "pp", 1) > 1:
+            from gallery.common.frontdoors.pipeline import Pipeline as door
+        elif fsdp:
             from gallery.common.frontdoors.fsdp import FSDPv2 as door
         elif getattr(args, "parallel_mode", None):
             from gallery.common.frontdoors.parallel import ParallelMode as door

@@ -33,6 +33,7 @@ def xla_peak_memory_fn(xm, device) -> Callable[[], float]:
 class Compiler(FrontDoor):
     compiler = True
     mode = "torchacc"
+    place_before_shard = True  # the model on the device before shard() (else shard() places it)
 
     def __init__(self, args, logger):
         super().__init__(args, logger)
@@ -57,7 +58,8 @@ class Compiler(FrontDoor):
         device = self.device = xm.xla_device()
         xm.set_replication(device, [device])
         self.rank, self.world_size = xm.get_ordinal(), xm.xrt_world_size()
-        model.to(device)
+        if self.place_before_shard:
+            model.to(device)
         model = self.shard(model)
         xm.mark_step()
         if xm.xla_device_hw(device) == "GPU":

@@ -34,6 +34,7 @@ def sharded_state(model, optimizer, step, data=None):
 
 class FSDPv2(Compiler):
     sharded = True
+    batch_axes = ("data", "fsdp")  # the mesh axes the batch is split over
     own_checkpoints = True  # sharded DCP checkpoints, DIR/<step>/
 
     def start(self) -> None:
@@ -111,10 +112,10 @@ class FSDPv2(Compiler):
         from torchacc.context_parallel import model as cp_model
         from torchacc.sharding import data
 
-        mesh, cp = self.mesh, getattr(self, "cp", 1)
+        mesh, cp, axes = self.mesh, getattr(self, "cp", 1), self.batch_axes
 
         def layout(t):
-            spec = cp_model.batch_spec(tuple(t.shape), ("data", "fsdp"), "cp", cp)
+            spec = cp_model.batch_spec(tuple(t.shape), axes, "cp", cp)
             return mesh.named_sharding(spec, tuple(t.shape)) if t.dim() else None
 
         tensors = (*_as_tuple(inputs), target)
