@@ -27,7 +27,7 @@ SPMD = os.path.join(CHECKOUT, "test", "spmd")
 # whole-directory run with deferred uploads, LoweringContext and graph dumps; the whole
 # directory's count per file is in RESULTS.md)
 FLOORS = {
-    "test_xla_sharding.py": 69,
+    "test_xla_sharding.py": 68,  # 69 before main's 2026-11-28 layout merge (RESULTS.md)
     "test_fsdp_v2.py": 7,
     "test_xla_distributed_checkpoint.py": 20,
     "test_xla_virtual_device.py": 12,  # data waits on the host for its layout
