@@ -138,13 +138,7 @@ def run_context_parallel(req):
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, v), labels.reshape(-1))
         del logits
         loss.backward()
-        if i == 0:
-            lay_out_like_parameters([p.grad for p in model.parameters()], model, mesh, m)
-        opt.step()
-        if i == 0:
-            for k in MOMENTS:
-                state = [opt.state[p].get(k) for p in model.parameters()]
-                lay_out_like_parameters(state, model, mesh, m)
+        opt.step()  # gradients and moments keep their parameter's layout (sharding/layout.py)
         torchacc.sync(wait=True)
     report = engine.memory_report(model, opt)
     measure(report, before, np.arange(n).reshape([m[a] for a in pc.AXES]), pc.AXES, loss)
@@ -155,7 +149,7 @@ def run_pipeline(req):
     split where the planner splits it, AdamW over its parameters (the packed rows)."""
     spec = resolve(req["model"])
     torch.manual_seed(0)
-    model = spec.build(None, False)
+    model = plan_pipeline.TokensOnly(spec.build(None, False))  # the planner's stage cut
     mesh = req["mesh"]
     config = torchacc.Config()
     config.dist.pp.size = mesh["pp"]

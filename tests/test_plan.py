@@ -241,7 +241,10 @@ def test_help_says_batch_size_is_global(capsys):
         (dict(mesh="pp=4"), "pp=4 does not divide llama-tiny's 2 layers"),
         (dict(mesh="tp=4"), "tp=4 does not divide llama-tiny's 2 key/value heads"),
         (dict(mesh="pp=2,tp=2"), "pp=2 with tp=2, cp=1: pipeline parallel"),
-        (dict(mesh="dp=2,pp=2"), "pp=2: llama-tiny cannot be cut into stages: pipeline parallel:"),
+        (
+            dict(model="resnet-tiny", mesh="pp=2"),
+            "resnet-tiny: only dp and fsdp layouts are planned",
+        ),
         (dict(mesh="dp=2,pp=2", microbatches=0), "microbatches 0 must be a positive"),
         (dict(mesh="dp=2,pp=2", batch_size=6), "batch_size 6"),
         (dict(mesh="fsdp=2,cp=2", seq_len=62), "cp=2 needs seq_len divisible by 2 x cp = 4"),
@@ -361,8 +364,8 @@ def test_pipeline_plan_is_the_real_pipelined_step(i, real_steps, all_plans, monk
 
 def test_search_offers_pp_only_for_a_pipelinable_model(monkeypatch):
     """pp layouts (at most 4 stages, never with tp or cp: ta.dist.PipelineParallel composes
-    with dp and fsdp) for a model torch.fx can cut; none for the gallery's GPT (its forward
-    does not trace)."""
+    with dp and fsdp) for a model torch.fx can cut, the gallery's GPT and LLaMA included; none
+    for a model without repeated blocks."""
     monkeypatch.setenv(registry.PROVIDER_ENV, "plan_test_models")
     monkeypatch.syspath_prepend(HERE)
     monkeypatch.setattr(registry, "_plan_registered", {})
@@ -371,4 +374,5 @@ def test_search_offers_pp_only_for_a_pipelinable_model(monkeypatch):
     pps = {m["pp"] for m in cands}
     assert pps == {1, 2, 4}, pps
     assert all(m["tp"] == m["cp"] == 1 for m in cands if m["pp"] > 1)
-    assert {m["pp"] for m in tp.candidate_layouts(tp.resolve("gpt-tiny"), 8, 16, 64, 8)} == {1}
+    assert {m["pp"] for m in tp.candidate_layouts(tp.resolve("gpt-tiny"), 8, 16, 64, 8)} == {1, 2}
+    assert {m["pp"] for m in tp.candidate_layouts(tp.resolve("resnet-tiny"), 8, 16, 64, 8)} == {1}

@@ -46,6 +46,18 @@ def lm_loss(logits, labels):
     )
 
 
+class TokensOnly(torch.nn.Module):
+    """``model`` called with the token ids alone: what torch.fx sees as the forward's one input
+    (an optional argument left out, ``position_ids=None``, would otherwise trace as a tensor)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids)
+
+
 def pipelinable(spec):
     """Whether ``ta.dist.PipelineParallel`` can cut ``spec``'s model into stages."""
     return why_not_pipelinable(spec) is None
@@ -62,17 +74,18 @@ def why_not_pipelinable(spec):
     from torchacc.pipeline import stages
 
     with FakeTensorMode(allow_non_fake_inputs=True):
-        model = spec.build(None, False)
+        model = TokensOnly(spec.build(None, False))
     try:
-        stages.Stages(model, [f"{spec.layer_prefix}{spec.n_layer // 2}"])
+        stages.Stages(model, [f"model.{spec.layer_prefix}{spec.n_layer // 2}"])
     except ValueError as e:
         return str(e)
     return None
 
 
 def split_points(spec, n_layer, pp):
-    """Stage k starts at block ``k * n_layer / pp`` (``spec.layer_prefix`` + index)."""
-    prefix = spec.layer_prefix or ""
+    """Stage k starts at block ``k * n_layer / pp`` (``spec.layer_prefix`` + index, inside
+    ``TokensOnly``)."""
+    prefix = "model." + (spec.layer_prefix or "")
     return [f"{prefix}{n_layer // pp * k}" for k in range(1, pp)]
 
 
@@ -87,7 +100,7 @@ def build(spec, n_layer, layout, micro, precision, gc, fake=None):
 
     fake = fake or FakeTensorMode(allow_non_fake_inputs=True)
     with fake:
-        model = spec.build(n_layer, False)
+        model = TokensOnly(spec.build(n_layer, False))
         model.train()
         try:
             pm = PipelineModule(
@@ -101,7 +114,7 @@ def build(spec, n_layer, layout, micro, precision, gc, fake=None):
     if gc:
         from torchacc.accel.gc import apply_gc
 
-        blocks = model.get_submodule((spec.layer_prefix or "").rstrip("."))
+        blocks = model.model.get_submodule((spec.layer_prefix or "").rstrip("."))
         apply_gc(model, {type(blocks[0]).__name__})
     return pm, model, fake
 
