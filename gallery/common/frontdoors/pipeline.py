@@ -103,6 +103,14 @@ class Pipeline(FSDPv2):
             self.mesh = xs.Mesh(np.arange(n), (data, shards, pp), ("dp", "fsdp", "pp"))
         self.cp = 1  # the batch is split by rows only; the stages split the sequence over sp
         packed = getattr(args, "packing", False)
+        if inner > 1 and hasattr(model, "chained"):  # LLaMA: blocks read (x, cos, sin)
+            if packed:
+                line = (
+                    f"{flags} --packing: uniform stages compute LLaMA's rotary tables from the "
+                    "sequence length; a packed row's position ids do not cross the stages"
+                )
+                raise exit_reported(2, f"error: {line}", self.rank)
+            model = model.chained()  # x = block(x), the chain uniform stages cut
         wrapped = BatchInputs(model, 2 if packed else 1)
         try:
             points = even_split_points(wrapped, pp)
