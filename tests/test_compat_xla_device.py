@@ -226,3 +226,24 @@ def test_run_torch_xla_processes_name_the_device_xla(monkeypatch, argv, name):
 
     monkeypatch.setattr(sys, "orig_argv", argv)
     assert device_mod._default_type() == name
+
+
+def test_preemption_sync_point_after_sigterm_in_one_process():
+    """``_XLAC._activate_preemption_sync_manager``: no sync point until a SIGTERM arrives, then
+    the next step asked about is one; deactivating restores the previous SIGTERM handler."""
+    import os
+    import signal
+
+    from torchacc.torch_xla import _XLAC
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(RuntimeError, match="not active"):
+        _XLAC._sync_point_reached(0)
+    _XLAC._activate_preemption_sync_manager()
+    try:
+        assert not any(_XLAC._sync_point_reached(step) for step in range(3))
+        os.kill(os.getpid(), signal.SIGTERM)  # handled: the process keeps running
+        assert _XLAC._sync_point_reached(3)
+    finally:
+        _XLAC._deactivate_preemption_sync_manager()
+    assert signal.getsignal(signal.SIGTERM) == before

@@ -37,6 +37,7 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -79,6 +80,14 @@ SPMD_DEVICES = {
     "test_xla_spmd_python_api_interaction.py": 1,  # run_test; counts == 1 under PJRT_DEVICE=CPU
 }
 
+# files run_tests.sh runs under ``run_save_tensor_hlo`` (test/utils/run_tests_utils.sh): graph
+# dumps to XLA_SAVE_TENSORS_FILE in the hlo format (run_tests.sh also runs test_spmd_graph_dump
+# once with the ir format; this tool runs each file once, in the hlo form)
+SAVE_TENSORS_FMT = {
+    "test_spmd_graph_dump.py": "hlo",
+    "test_spmd_lowering_context.py": "hlo",
+}
+
 _RAN = re.compile(r"^Ran (\d+) tests? in", re.M)
 _SUMMARY = re.compile(r"^(OK|FAILED)(?: \((.*)\))?\s*$", re.M)
 
@@ -112,7 +121,18 @@ def first_error(output):
 
 
 def run_file(test_dir, name, timeout, python, devices=1):
+    fmt = SAVE_TENSORS_FMT.get(name) if os.path.basename(test_dir) == "spmd" else None
+    if fmt is None:
+        return _run_file(test_dir, name, timeout, python, devices, {})
+    with tempfile.TemporaryDirectory() as tmp:  # a fresh dump file, removed afterwards
+        save = {"XLA_SAVE_TENSORS_FILE": os.path.join(tmp, "xla_test_save_ir.txt")}
+        save["XLA_SAVE_TENSORS_FMT"] = fmt
+        return _run_file(test_dir, name, timeout, python, devices, save)
+
+
+def _run_file(test_dir, name, timeout, python, devices, extra_env):
     env = dict(os.environ)
+    env.update(extra_env)
     env.update(
         # run_tests.sh's environment: torch's device-type tests get torch_xla's test base
         TORCH_TEST_DEVICES=os.path.join(test_dir, "pytorch_test_base.py"),

@@ -377,3 +377,139 @@ def test_mp_device_loader_input_sharding():
         next(iter(pl.MpDeviceLoader([torch.ones(4, 2)], DEV, input_sharding=spec)))
     with pytest.raises(KeyError, match="'y'"):
         next(iter(pl.MpDeviceLoader(batches, DEV, input_sharding={"x": spec["x"]})))
+
+
+def test_minibatch_loader_needs_a_batch_the_local_devices_divide():
+    """``ShardingSpec(minibatch=True)``: each host's batch is split over its devices; 3 rows on
+    4 devices is torch_xla's RuntimeError, 8 rows are laid out."""
+    from torchacc.torch_xla.distributed import parallel_loader as pl
+
+    mesh = xs.get_1d_mesh("data")
+    spec = xs.ShardingSpec(mesh, ("data", None), minibatch=True)
+    with pytest.raises(RuntimeError, match=r"per-host batch size must be divisible by local "):
+        next(iter(pl.MpDeviceLoader([torch.zeros(3, 2)], DEV, input_sharding=spec)))
+    data = next(iter(pl.MpDeviceLoader([torch.ones(8, 2)], DEV, input_sharding=spec)))
+    assert _XLAC._get_xla_sharding_spec(data) == "{devices=[4,1]0,1,2,3}"
+
+
+def test_moved_data_stays_on_the_host_until_its_layout_is_known():
+    """torch_xla's virtual device (Note [Deferred uploads] in torchacc/engine/transfer.py):
+    ``.to(device)`` keeps the data on the host; ``mark_sharding`` sends each device its shard
+    once (not a replicated copy and a reshard), an op recording it or a sync uploads it
+    replicated, and reads answer from the host copy."""
+    import torchacc.torch_xla.core.xla_model as xm
+    import torchacc.torch_xla.debug.metrics as met
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("data", "model"))
+    met.clear_all()
+    host = torch.arange(32.0).reshape(8, 4)
+    x = host.to(DEV)
+    host.add_(100)  # the device tensor holds a copy
+    info = _XLAC._get_xla_tensor_debug_info(x)
+    assert "Tensor on host: with size [8, 4]" in info and "Device: SPMD:0" in info, info
+    assert "TransferToDeviceTime" not in met.metric_names()
+    assert _XLAC._get_xla_sharding_spec(x) == ""
+    assert "XLAData: None" in info
+    assert torch.equal(x.cpu(), torch.arange(32.0).reshape(8, 4))  # read from the host copy
+    assert met.counter_value("TransferFromDevice") is None
+    xs.mark_sharding(x, mesh, ("data", "model"))
+    assert met.counter_value("VirtualDeviceUsage") == 1
+    assert met.counter_value("TransferToDevice") == 1
+    assert met.metric_data("OutboundData")[1] == 32 * 4  # 4 shards of 8: the tensor once
+    assert _XLAC._get_xla_sharding_spec(x) == "{devices=[2,2]0,1,2,3}"
+    assert "XLAShardedData" in _XLAC._get_xla_tensor_debug_info(x)
+    x2 = x * 2
+    # a dimension that does not divide: the host copy is padded before the sharded upload
+    y = torch.arange(6.0).reshape(3, 2).to(DEV)
+    xs.mark_sharding(y, mesh, (("data", "model"), None))
+    y1 = y + 1
+    # recorded as an op's input: uploaded replicated at once; in-place and partial writes
+    z = torch.ones(4).to(DEV)
+    w = z + 1
+    assert "Tensor on host: None" in _XLAC._get_xla_tensor_debug_info(z)
+    assert _XLAC._get_xla_sharding_spec(z) == ""  # still an upload never marked
+    z.mul_(3)
+    e = torch.zeros(4, device=DEV)
+    e[1:3] = torch.tensor([5.0, 6.0])
+    kept = torch.ones(3).to(DEV)
+    torchacc.sync()  # as torch_xla's sync: data still on the host goes up replicated
+    info = _XLAC._get_xla_tensor_debug_info(kept)
+    assert "Tensor on host: None" in info and "OpSharding: {replicated}" in info, info
+    assert w.tolist() == [2.0] * 4 and z.tolist() == [3.0] * 4 and e.tolist() == [0, 5, 6, 0]
+    assert torch.equal(x2.cpu(), torch.arange(32.0).reshape(8, 4) * 2)
+    assert torch.equal(y1.cpu(), torch.arange(6.0).reshape(3, 2) + 1)
+    # torch_xla's loader door: the input sharding is applied by the one upload
+    spec = xs.ShardingSpec(mesh, ("data", None))
+    (b,) = xm.send_cpu_data_to_device([torch.ones(4, 2)], DEV, input_sharding=spec)
+    assert _XLAC._get_xla_sharding_spec(b) == "{devices=[2,1,2]0,1,2,3 last_tile_dim_replicate}"
+    # torch_xla's error text, word for word, for placements of a tensor with no sharding
+    with pytest.raises(ValueError, match=r"^Placements not available: XLAShardedTensor requires"):
+        _ = xs.XLAShardedTensor(torch.ones(2)).placements
+
+
+def test_lowering_context_parameters_and_graph_hash():
+    """``_XLAC.lowering.LoweringContext``: the program of some pending tensors, its data
+    parameters (sharded, as device tensors without a transfer) and ``_get_graph_hash``."""
+    import torchacc.torch_xla.debug.metrics as met
+
+    mesh = xs.Mesh(np.arange(4), (2, 2), ("x", "y"))
+    a = torch.arange(8.0).reshape(2, 4).to(DEV)
+    xs.mark_sharding(a, mesh, ("x", "y"))
+    b = torch.ones(4).to(DEV)
+    r = a * 2 + b
+    met.clear_all()
+    ctx = _XLAC.lowering.LoweringContext("MyCustomName")
+    ctx.build([r])
+    text = ctx.hlo_text()
+    assert "HloModule jit_MyCustomName" in text and "sharding={devices=[2,2]0,1,2,3}" in text
+    assert isinstance(ctx.hlo(), bytes) and ctx.hlo()
+    mapping = ctx.device_parameter_id_tensor_mapping()
+    ia, ib = ctx.tensor_parameter_id(a), ctx.tensor_parameter_id(b)
+    assert sorted(mapping) == sorted([ia, ib]) and ctx.tensor_parameter_id(r) == -1
+    assert _XLAC._get_xla_sharding_spec(mapping[ia]) == "{devices=[2,2]0,1,2,3}"
+    assert met.counter_value("TransferFromDevice") is None  # the device mapping reads nothing
+    host = ctx.parameter_id_tensor_mapping()
+    assert torch.equal(host[ia], torch.arange(8.0).reshape(2, 4)) and host[ib].tolist() == [1] * 4
+    with pytest.raises(ValueError, match="additional_inputs_list"):
+        ctx.build([r], [a])
+    h = _XLAC._get_graph_hash([a * 2 + b])
+    assert isinstance(h, bytes) and len(h) == 16 and h == _XLAC._get_graph_hash([r])
+    assert h != _XLAC._get_graph_hash([a * 2 - b])
+    c = torch.arange(8.0).reshape(2, 4).to(DEV) + 0  # same ops, a replicated input
+    assert _XLAC._get_graph_hash([c * 2 + b]) != _XLAC._get_graph_hash([a * 2 + b])
+    torchacc.sync()
+    assert torch.equal(r.cpu(), torch.arange(8.0).reshape(2, 4) * 2 + 1)
+
+
+def test_graph_dumps_to_xla_save_tensors_file(tmp_path, monkeypatch):
+    """``XLA_SAVE_TENSORS_FILE``/``_FMT=hlo``: each sync appends its graph and the layouts its
+    outputs got, in torch_xla's layout (``<file>.0``)."""
+    from torchacc.torch_xla import _graph_dump
+
+    base = tmp_path / "graphs.txt"
+    monkeypatch.setenv("XLA_SAVE_TENSORS_FILE", str(base))
+    monkeypatch.setenv("XLA_SAVE_TENSORS_FMT", "hlo")
+    mesh = xs.Mesh(np.arange(4), (1, 4), ("x", "y"))
+    x = torch.ones(8, 32).to(DEV)
+    y = torch.ones(8, 32).to(DEV)
+    xs.mark_sharding(x, mesh, (0, 1))
+    torchacc.sync()  # uploads only: no graph
+    _graph_dump.install()
+    try:
+        r = x + y
+        torchacc.sync()
+        torchacc.sync()  # nothing pending: nothing written
+        r = r * 2
+        torchacc.sync()
+    finally:
+        _graph_dump.uninstall()
+    text = (tmp_path / "graphs.txt.0").read_text()
+    assert text.count("[ScheduleSyncTensorsGraph]") == 2 and text.count("## END_GRAPH") == 2
+    assert "parameter(0), sharding={devices=[1,4]0,1,2,3}" in text and "add(" in text
+    lines = text.splitlines(keepends=True)
+    assert lines[-2] == "#OUTPUT_SHARDING_END\n", lines[-4:]
+    assert "\n#OUTPUT_SHARDING_BEGIN\n\nf32[8,32] {devices=[1,4]0,1,2,3}\n" in text
+    assert r.tolist() == [[4.0] * 32] * 8
+    r = r + 1
+    torchacc.sync()  # uninstalled: nothing more
+    assert (tmp_path / "graphs.txt.0").read_text() == text

@@ -17,7 +17,7 @@ import numpy as np
 from torchacc import metrics
 from torchacc import program as compiler
 from torchacc.engine import explain
-from torchacc.engine.transfer import put, read, upload  # noqa: F401  (re-exported)
+from torchacc.engine.transfer import Deferred, put, read, upload  # noqa: F401
 from torchacc.ir import live_storages
 from torchacc.lowering import precision
 from torchacc.program import known, pack
@@ -55,9 +55,23 @@ def fetch(value, dtype):
     if value.node is not None:
         explain.on_read()  # Note [Explaining syncs and compiles]
         run([value], donate=False)
+    if type(value) is Deferred:  # still on the host (Note [Deferred uploads])
+        host = value.host_data()
+        return host.clone() if host.dtype == dtype else host.to(dtype)
     if type(value.buf) is tuple:  # a piece of a pack (Note [Packed state])
         return read(pack.host_piece(value), dtype)
     return read(value.array, dtype)
+
+
+# called with a sync's pending outputs before its graph runs (say torch_xla's graph dumps,
+# XLA_SAVE_TENSORS_FILE); each may return a function to call once the graph ran
+_graph_observers: list = []
+
+
+def observe_graphs(fn):
+    """Call ``fn(outputs)`` at every sync that runs a graph, with its pending output Values,
+    before it runs; a function ``fn`` returns is called after it ran."""
+    _graph_observers.append(fn)
 
 
 def _live_outputs(clear=True):
@@ -167,11 +181,15 @@ def sync(wait=False):
     outputs, held, starts = _live_outputs()
     explain.on_mark_step(bool(outputs))  # Note [Explaining syncs and compiles]
     if outputs:
+        after = [fn(outputs) for fn in _graph_observers] if _graph_observers else ()
         launch = known.match(outputs, held, precision.key(), starts)
         if launch is not None:
             _run_known(launch, outputs)
         else:
             run(outputs, donate=True, held=held, learn=True, starts=starts)
+        for fn in after:
+            if fn is not None:
+                fn()
     known.next_step()
     _gc_after_sync()
     if wait:

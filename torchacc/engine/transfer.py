@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 import warnings
+import weakref
 
 import jax
 import ml_dtypes
@@ -51,14 +52,136 @@ def upload(host):
     host = host.detach().contiguous()
     start = time.perf_counter()
     array, mirror = device_array(host)
+    _count_upload(array, start)
+    value = Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
+    value.host = mirror
+    return value
+
+
+def _count_upload(array, start):
     metrics.record_time("TransferToDeviceTime", time.perf_counter() - start)
     metrics.counter_inc("TransferToDevice")
     sent = sent_bytes(array)
     metrics.counter_inc("TransferToDeviceBytes", sent)
     metrics.record_value("OutboundData", sent)
-    value = Value(contiguous_desc(tuple(host.shape), host.dtype), array=array)
-    value.host = mirror
-    return value
+
+
+# Note [Deferred uploads]
+# In SPMD mode torch_xla's tensors live on one virtual device, and data moved there
+# (``t.to(device)``, ``torch.tensor(..., device=...)``, a CPU fallback's result) stays on the host
+# until its layout is known: ``mark_sharding`` then sends each device its shard only (one
+# transfer, instead of a replicated upload and a reshard). Any other use uploads it replicated:
+# an op recording it (lazy/record.py, while ``DEFERRED[0]`` counts any), the next sync (its walk
+# over live storages reads every ``buf``, as torch_xla's sync uploads tensors that only have host
+# data), or anything else reading its ``buf``. A read (``.cpu()``) answers from the host copy
+# without a transfer. A device loader (``MpDeviceLoader``/``ParallelLoader``) uploads every
+# tensor still waiting when it is created (``upload_waiting``): the training loop it feeds starts
+# there, so its steps' transfers are its batches. ``Deferred`` is that Value: its ``buf`` slot
+# holds the CPU tensor and its ``buf`` property uploads it on first access, after which the
+# object becomes a plain ``Value`` (the same slots), so the engine's hot paths never pay for it.
+
+_BUF = Value.__dict__["buf"]  # the slot under the property
+DEFERRED = [0]  # Deferred Values still on the host
+# the arrays of replicated uploads, while they live: torch_xla gives data moved to the device and
+# never marked no sharding spec at all ('' rather than '{replicated}', torch_xla/_XLAC.py)
+uploaded = weakref.WeakValueDictionary()
+
+
+class Deferred(Value):
+    """A data Value whose CPU copy is not on the device yet (Note [Deferred uploads])."""
+
+    __slots__ = ()
+
+    def __init__(self, host, mirror=None):
+        self.node = None
+        self.index = 0
+        self.desc = contiguous_desc(tuple(host.shape), host.dtype)
+        self.mark = 0
+        self.sid = 0
+        self.host = mirror
+        _BUF.__set__(self, host)
+        DEFERRED[0] += 1
+
+    @property
+    def buf(self):
+        return self.upload()
+
+    @buf.setter
+    def buf(self, array):  # replaced (say resharded): no longer on the host
+        _BUF.__set__(self, array)
+        self._settle()
+
+    def host_data(self):
+        """The CPU tensor (contiguous, the Value's dtype)."""
+        return _BUF.__get__(self)
+
+    def upload(self, sharding=None, padded=None):
+        """Send the data to the device, laid out by ``sharding`` (default replicated; ``padded``:
+        the global shape with padding, Note [Padded shards] in sharding/layout.py); the Value
+        becomes a plain one. Returns the array."""
+        host = _BUF.__get__(self)
+        if padded is not None and tuple(padded) != tuple(host.shape):
+            full = host.new_zeros(padded)
+            full[tuple(slice(0, n) for n in host.shape)] = host
+            host = full
+        start = time.perf_counter()
+        array, _ = device_array(host, sharding)
+        _count_upload(array, start)
+        if sharding is None:
+            uploaded[id(array)] = array
+        _BUF.__set__(self, array)
+        self._settle()
+        return array
+
+    def _settle(self):
+        self.__class__ = Value
+        DEFERRED[0] -= 1
+
+    def __del__(self):  # dropped while still on the host
+        try:
+            DEFERRED[0] -= 1
+        except TypeError:  # interpreter shutdown
+            pass
+
+
+def defer(host):
+    """A Deferred Value holding a copy of the contiguous CPU tensor ``host`` (SPMD mode; Note
+    [Deferred uploads])."""
+    host = host.clone()  # the caller's tensor may change later
+    dtype = host.dtype
+    exact = not (dtype.is_floating_point or dtype.is_complex)
+    stored = stored_dtype(dtype) if dtype in TORCH_TO_JAX else dtype
+    small = exact and stored is dtype and host.numel() <= MIRROR_MAX_ELEMENTS
+    return Deferred(host, host if small else None)  # the same copy as upload() keeps
+
+
+def upload_waiting():
+    """Upload, replicated, every live tensor's data still on the host (Note [Deferred
+    uploads])."""
+    if not DEFERRED[0]:
+        return
+    from torchacc.ir import live_storages
+
+    materialize([st.value for st in live_storages()])
+
+
+def materialize(values):
+    """Upload, replicated, the Deferred Values among ``values`` (an op recording them)."""
+    for v in values:
+        if type(v) is Deferred:
+            v.upload()
+
+
+def is_deferred(value):
+    return type(value) is Deferred
+
+
+def stored(value):
+    """``value``'s buffer without uploading anything: None while it is pending or still on the
+    host (Note [Deferred uploads])."""
+    if value.node is not None or type(value) is Deferred:
+        return None
+    return value.buf
 
 
 def sent_bytes(array):

@@ -69,7 +69,7 @@ def _copy_(func, args, kwargs):
         return dst
     if type(src) is not LazyTensor:  # host -> device
         host = src.detach().to(dst.dtype).expand(dst.shape).contiguous()
-        assign(dst, upload(host))
+        assign(dst, upload(host, defer=True))
         return dst
     val = value_of(src)
     if src._desc[0] != dst._desc[0]:

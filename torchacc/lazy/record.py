@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from torchacc.engine.transfer import DEFERRED as _deferred
+from torchacc.engine.transfer import materialize as _materialize
 from torchacc.engine.transfer import upload
 from torchacc.ir import Node, OpEntry, ScalarSlot, Storage, TensorSlot, Value, desc_of
 from torchacc.lazy import random as device_random
@@ -340,6 +342,8 @@ def record_values(func, args, kwargs):
     op = _entries.get(key)
     if op is None:
         op = _entries[key] = _new_entry(spec, (func, *key[1:]), args, kwargs)
+    if _deferred[0]:  # an input still on the host goes up now (Note [Deferred uploads])
+        _materialize(inputs)
     if rule.rng:
         inputs.append(device_random.state_value())
         node = Node(op, inputs, scalars)

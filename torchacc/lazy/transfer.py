@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 
-from torchacc.engine import execute, handoff
+from torchacc.engine import execute, handoff, transfer
 from torchacc.engine.transfer import upload as _upload
 from torchacc.ir import Value, contiguous_desc
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.lazy.host_eval import host_value
 from torchacc.lazy.record import fresh, value_of
 from torchacc.lazy.tensor import LazyTensor
+from torchacc.sharding import mesh
 
 
-def upload(host):
+def upload(host, defer=False):
     """A data Value on the device with a copy of the contiguous CPU tensor ``host``, remembered
-    as an upload (``is_upload``)."""
+    as an upload (``is_upload``). ``defer`` (a ``.to(device)``): in SPMD mode the copy stays on
+    the host until its layout is known (Note [Deferred uploads] in engine/transfer.py)."""
+    if defer and mesh.is_spmd():
+        return transfer.defer(host)
     value = _upload(host)
     _uploads[id(value.buf)] = value.buf
     return value
@@ -26,17 +28,20 @@ def upload(host):
 def to_device(host):
     if type(host) is LazyTensor:
         return host
-    return fresh(upload(host.detach().contiguous()))
+    return fresh(upload(host.detach().contiguous(), defer=True))
 
 
 # the arrays of uploads, while they live: torch_xla gives data moved to the device and never
 # marked no sharding spec at all ('' rather than '{replicated}', torch_xla/_XLAC.py)
-_uploads = weakref.WeakValueDictionary()
+_uploads = transfer.uploaded
 
 
 def is_upload(t):
-    """Whether LazyTensor ``t`` holds the data a ``.to(device)`` uploaded, unchanged."""
+    """Whether LazyTensor ``t`` holds the data a ``.to(device)`` uploaded (or will: Note
+    [Deferred uploads]), unchanged."""
     value = value_of(t)
+    if type(value) is transfer.Deferred:
+        return True
     return value.node is None and _uploads.get(id(value.buf)) is value.buf
 
 

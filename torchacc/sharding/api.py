@@ -16,6 +16,8 @@ import jax
 import numpy as np
 import torch
 
+from torchacc import metrics
+from torchacc.engine import transfer
 from torchacc.lazy.device import DEVICE_TYPE
 from torchacc.runtime import processes
 from torchacc.sharding import layout as program_sharding
@@ -196,7 +198,10 @@ def mark(t, sharding, call="mark_sharding"):
     if not isinstance(t, LazyTensor):  # traced by torchacc.compile: a constraint in its graph
         return _constrain_traced(t, rules.name_sharding(sharding), rules.shard_op)
     value = value_of(t)
-    if t._view is None and value.node is None and value.buf is not None:
+    if t._view is None and transfer.is_deferred(value):  # Note [Deferred uploads]
+        metrics.counter_inc("VirtualDeviceUsage")  # torch_xla's name: the sharded upload
+        value.upload(sharding, program_sharding.padded_shape(tuple(value.desc[0]), sharding))
+    elif t._view is None and value.node is None and value.buf is not None:
         # a known step's launch is keyed on its inputs' shardings too (sharding/layout.py):
         # resharding an input (a batch every step) keeps the step known
         value.buf = _reshard(value, sharding)
@@ -321,6 +326,8 @@ def sharding_of(t):
     if not isinstance(t, torch.Tensor) or t.device.type != DEVICE_TYPE:
         return None
     value = value_of(t)
+    if transfer.is_deferred(value):  # still on the host (Note [Deferred uploads]): it goes up
+        return runtime_mesh.replicated()  # replicated unless a mark lays it out first
     if value.node is None and isinstance(value.buf, jax.Array):
         return value.buf.sharding
     mark = getattr(t, "_torchacc_sharding", None)
@@ -395,7 +402,7 @@ def per_device_bytes(tensors):
     for t in tensors:
         if isinstance(t, torch.Tensor) and t.device.type == DEVICE_TYPE:
             value = value_of(t)
-            arrays.append(value.buf if value.node is None else None)
+            arrays.append(transfer.stored(value))
     return _shard_bytes(arrays)
 
 
@@ -404,7 +411,7 @@ def live_bytes_per_device():
     bytes}, padding included. What ``xm.get_memory_info`` reports as ``tensor_bytes``."""
     from torchacc.ir import live_storages
 
-    return _shard_bytes([st.value.buf for st in live_storages() if st.value.node is None])
+    return _shard_bytes([transfer.stored(st.value) for st in live_storages()])
 
 
 def memory_report(model, optimizer=None):

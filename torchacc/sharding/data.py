@@ -58,6 +58,8 @@ def batch_layout(input_sharding=None):
             sharding = None
         elif hasattr(spec, "xla_spec"):  # xs.ShardingSpec (None where the rank differs)
             sharding = spec.xla_spec(host)
+            if sharding is not None and getattr(spec, "minibatch", False):
+                _check_minibatch(host)
         elif callable(spec):
             sharding = spec(host)
         else:
@@ -72,6 +74,18 @@ def batch_layout(input_sharding=None):
         return None, False
 
     return layout
+
+
+def _check_minibatch(host):
+    """``ShardingSpec(minibatch=True)``: the batch is this host's share, split over its devices;
+    a batch those devices do not divide is torch_xla's ``RuntimeError`` (its text)."""
+    n = len(mesh.local_devices())
+    if host.dim() > 0 and host.shape[0] % n:
+        raise RuntimeError(
+            "When minibatch is configured, the per-host batch size must be divisible by local "
+            f"runtime device count. Per host input data shape = {host.size()}, "
+            f"local_runtime_device_count = {n}"
+        )
 
 
 def _splits_processes(sharding):

@@ -22,7 +22,9 @@ import torch
 
 import torchacc
 from torchacc.lazy.device import DEVICE_TYPE
+from torchacc.torch_xla import _xlac_lowering as lowering  # noqa: F401  (LoweringContext)
 from torchacc.torch_xla._api import differs, not_implemented, not_implemented_class
+from torchacc.torch_xla._xlac_lowering import _get_graph_hash  # noqa: F401
 from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls)
     _clear_xla_counters,
     _clear_xla_metrics,
@@ -34,6 +36,11 @@ from torchacc.torch_xla._xlac_metrics import (  # noqa: F401  (the metrics calls
     _xla_metric_data,
     _xla_metric_names,
     _xla_metrics_report,
+)
+from torchacc.torch_xla._xlac_preemption import (  # noqa: F401  (the preemption sync point)
+    _activate_preemption_sync_manager,
+    _deactivate_preemption_sync_manager,
+    _sync_point_reached,
 )
 from torchacc.torch_xla._xlac_text import (  # noqa: F401  (the IR and HLO text calls)
     _desc_text,
@@ -305,24 +312,44 @@ def _get_xla_tensor_debug_info(tensor):
     """torch_xla's debug text of a tensor: its id, device, shape, sharding (``ShardingSpec``),
     whether it is pending and, for data, where it lives (``XLAShardedData`` in SPMD mode: the
     sharding and the number of shards)."""
+    from torchacc.engine import transfer
+    from torchacc.sharding import api as engine
+
     (value,) = _values([tensor])
     spec = _get_xla_sharding_spec(tensor) or "None"
     shape = _desc_text(value.desc)
+    # in SPMD mode every tensor is on torch_xla's one virtual device
+    device = "SPMD:0" if engine.is_spmd() else tensor.device
+    if transfer.is_deferred(value):  # still on the host (Note [Deferred uploads])
+        size = list(value.desc[0])
+        return (
+            "\n".join(
+                [
+                    "XLATensor {",
+                    f"TensorID: {_xla_get_tensor_id(tensor)}",
+                    f"Device: {device}",
+                    f"XLA Shape: {shape}",
+                    f"ShardingSpec: {spec}",
+                    "IR: None",
+                    "XLAData: None",
+                    f"Tensor on host: with size {size}",
+                ]
+            )
+            + "\n}\n"
+        )
     lines = [
         "XLATensor {",
         f"TensorID: {_xla_get_tensor_id(tensor)}",
-        f"Device: {tensor.device}",
+        f"Device: {device}",
         f"XLA Shape: {shape}",
         f"ShardingSpec: {spec}",
         f"ValueHolder: {'pending IR node' if value.node is not None else 'device data'}",
         f"IR: {'xla::device_data' if value.node is None else _op_text(value.node.op.rule.name)}",
-        "Tensor on host: None",  # uploads are never deferred: data is on the device
+        "Tensor on host: None",
     ]
     array = value.buf if value.node is None else None
     sharding = getattr(array, "sharding", None)
     if sharding is not None:
-        from torchacc.sharding import api as engine
-
         if engine.is_spmd():
             lines += [
                 "XLAShardedData: ",

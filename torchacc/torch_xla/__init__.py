@@ -107,6 +107,11 @@ from torchacc.torch_xla.experimental import gru as _gru  # noqa: E402
 
 _gru.install()
 
+# XLA_SAVE_TENSORS_FILE: every sync's graph appended to a file, as torch_xla does
+from torchacc.torch_xla import _graph_dump  # noqa: E402
+
+_graph_dump.install()
+
 __all__ = [
     "compile",
     "device",

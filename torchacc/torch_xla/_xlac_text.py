@@ -27,9 +27,13 @@ def _get_xla_tensors_text(tensors):
     input (``%0 = f32[2,3] xla::device_data()``) and per recorded op (``%2 = f32[2,3]
     aten::add.Tensor(%0, %1)``), in the device's dtypes (Note [Device dtypes]); the line of the
     i-th tensor's value ends with ``, ROOT=i``."""
+    return graph_text(_values(tensors))
+
+
+def graph_text(values):
+    """:func:`_get_xla_tensors_text` of the Values ``values``."""
     from torchacc import program as compiler
 
-    values = _values(tensors)
     pending = [v for v in values if v.node is not None]
     lines = ["IR {"]
     names, where = {}, {}
@@ -92,27 +96,16 @@ def _get_xla_tensors_hlo(tensors):
     parameters carry their shardings and a ``mark_sharding`` of a pending value is a
     ``custom_call_target="Sharding"`` (Note [HLO text like torch_xla's]). Tensors with nothing
     pending give the program that returns their data (their parameters and shardings)."""
+    return graph_hlo(_values(tensors))
+
+
+def graph_hlo(values):
+    """:func:`_get_xla_tensors_hlo` of the Values ``values``."""
     import jax
-    import numpy as np
 
-    from torchacc import program as compiler
-    from torchacc.program.build import program_of
-
-    values = _values(tensors)
-    pending = [v for v in values if v.node is not None]
-    if pending:
-        graph = compiler.Graph(pending)
-        args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
-        args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical, padded
-        fn = program_of(graph)
-    else:
-        args = list({id(v.array): v.array for v in values if v.array is not None}.values())
-        if not args:
-            return ""
-
-        def fn(*arrays):
-            return list(arrays)
-
+    fn, args, _ = program_of_values(values)
+    if fn is None:
+        return ""
     lowered = jax.jit(fn).lower(*args)
     if os.environ.get("XLA_DUMP_POST_OPTIMIZATIONS", "").lower() in ("1", "true"):
         # torch_xla's switch for the optimized program: here XLA's compiled (partitioned) HLO
@@ -120,6 +113,41 @@ def _get_xla_tensors_hlo(tensors):
     module = lowered.compiler_ir(dialect="hlo").get_hlo_module()
     text = _names_by_opcode(module.to_string(_hlo_print_options()))
     return _v1_shardings(text, _device_assignment(lowered))
+
+
+def program_of_tensors(tensors):
+    """``(fn, args, params)``: the program computing the pending ``tensors`` and its arguments
+    (the float64 and int64 runtime scalar vectors, then the packs' and loose inputs' arrays), or,
+    with nothing pending, the program returning their data; ``params`` has per argument what it
+    holds (a scalar vector: None, a pack, a data Value). ``(None, [], [])`` for no data."""
+    return program_of_values(_values(tensors))
+
+
+def program_of_values(values):
+    """:func:`program_of_tensors` of the Values ``values``."""
+    import numpy as np
+
+    from torchacc import program as compiler
+    from torchacc.program.build import program_of
+
+    pending = [v for v in values if v.node is not None]
+    if pending:
+        graph = compiler.Graph(pending)
+        args = [np.asarray(graph.floats, dtype=np.float64), np.asarray(graph.ints, dtype=np.int64)]
+        args += [p.array for p in graph.packs] + [v.array for v in graph.loose]  # logical, padded
+        return program_of(graph), args, [None, None, *graph.packs, *graph.loose]
+    seen = {}
+    for v in values:
+        a = v.array
+        if a is not None and id(a) not in seen:
+            seen[id(a)] = (a, v)
+    if not seen:
+        return None, [], []
+
+    def fn(*arrays):
+        return list(arrays)
+
+    return fn, [a for a, _ in seen.values()], [v for _, v in seen.values()]
 
 
 # Note [HLO text like torch_xla's]

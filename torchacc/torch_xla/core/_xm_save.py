@@ -116,10 +116,16 @@ def send_cpu_data_to_device(datas, device, input_sharding=None):
         if type(t) is not torch.Tensor or t.device.type != "cpu":
             return False
         if input_sharding is not None and input_sharding.can_apply(t):
-            input_sharding.xla_spec(t)  # replicated only: raises for a real sharding
+            input_sharding.xla_spec(t)  # checks the spec against the shape before any upload
         return True
 
-    return _rewrite(datas, select, lambda t: t.to(dev))
+    def send(t):
+        out = t.to(dev)  # in SPMD mode still on the host (Note [Deferred uploads])
+        if input_sharding is not None and input_sharding.can_apply(t):
+            input_sharding.apply(out)  # one upload, each device its shard
+        return out
+
+    return _rewrite(datas, select, send)
 
 
 class RateTracker:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from torchacc.engine.transfer import upload_waiting
 from torchacc.lazy.device import DEVICE_TYPE
 
 # the prefetch loop (background thread, bounded queue), shared with torchacc.AsyncLoader, and the
@@ -105,6 +106,7 @@ class ParallelLoader:
         self._batchdim = batchdim
         self._batches_per_execution = batches_per_execution
         torchacc.jax_device()  # pick (and join a multi-process job for) the device on this thread
+        upload_waiting()  # the loop it feeds starts: Note [Deferred uploads]
         layout = batch_layout(input_sharding)
         self._prefetch = Prefetcher(
             loader,
@@ -178,6 +180,7 @@ class MpDeviceLoader:
     """``for batch in MpDeviceLoader(loader, device)``: a fresh ``ParallelLoader`` per epoch."""
 
     def __init__(self, loader, device, **kwargs):
+        upload_waiting()  # the loop it feeds starts: Note [Deferred uploads]
         self._loader = loader
         self._device = device
         self._parallel_loader_kwargs = kwargs

@@ -229,10 +229,11 @@ def _dtensor_spec(t):
         named = engine.sharding_of(t.global_tensor)
         jmesh = getattr(named, "mesh", None)
         if jmesh is None:  # a CPU tensor, or a pending result no mark laid out
+            # torch_xla's text, word for word: its users (and tests) match on it
             raise ValueError(
-                f"XLAShardedTensor: a tensor of shape {tuple(t.shape)} on {t.global_tensor.device} "
-                "has no sharding to describe as DTensor placements; mark it with "
-                "xs.mark_sharding (or pass mesh_shape= and partition_spec=)"
+                "Placements not available: XLAShardedTensor requires mesh_shape and "
+                "partition_spec to be set. Use mark_sharding() to properly initialize sharding "
+                "information."
             )
         else:
             shape = tuple(jmesh.devices.shape)
