@@ -232,7 +232,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DATA,FSDP",
         help="with --fsdp --compiler-opt: a data x fsdp mesh (e.g. 2,2; times --tp x --cp "
-        "devices); default 1,<devices / (tp * cp)>",
+        "devices, or --pp); default 1,<devices / (tp * cp)>; with --pp and --tp/--cp FSDP is 1 "
+        "(default <devices / (pp * tp * cp)>,1)",
     )
     for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
         ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),
