@@ -2,7 +2,10 @@
 evenly into N stages on the ``pp`` axis of a (dp, fsdp, pp) mesh of every device
 (``torchacc.pipeline``, what ``ta.dist.PipelineParallel`` runs), each step one
 ``forward_backward`` over ``--num_micro_batches`` micro-batches (``--pp_schedule``: 1F1B or
-GPipe), then the optimizer's update of the packed stage parameters.
+GPipe), then the optimizer's update of the packed stage parameters. With ``--tp``/``--cp`` the
+stages are uniform ones (``torchacc.pipeline.uniform``: Megatron's pairs on ``tp`` and context
+parallel on ``sp`` inside each stage) on a (dp, pp, sp, tp) mesh, fsdp size 1 and dp the devices
+left; LLaMA runs as ``Llama.chained()`` (one chain ``x = block(x)``).
 
 The model is traced with ``torch.fx`` through :class:`BatchInputs`, a ``forward`` taking exactly
 the batch's inputs (the token ids, and a packed row's position ids), so an optional argument a
@@ -52,8 +55,8 @@ def even_split_points(model: nn.Module, stages: int) -> list[str]:
 
 class Pipeline(FSDPv2):
     """FSDPv2's set-up (SPMD mode, the sharded batch upload, the memory report after step 2)
-    with the model as a ``PipelineModule`` on a (dp, fsdp, pp) mesh and the step its
-    ``forward_backward``."""
+    with the model as a ``PipelineModule`` on a (dp, fsdp, pp) mesh (with ``--tp``/``--cp`` a
+    ``UniformPipelineModule`` on a (dp, pp, sp, tp) one) and the step its ``forward_backward``."""
 
     batch_axes = ("dp", "fsdp")
     place_before_shard = False  # cut and packed on the host, then placed
@@ -65,7 +68,8 @@ class Pipeline(FSDPv2):
         return model
 
     def pipeline(self, model):
-        """``model`` (on the host) cut into ``--pp`` stages of a (dp, fsdp, pp) mesh."""
+        """``model`` (on the host) cut into ``--pp`` stages of a (dp, fsdp, pp) mesh, or with
+        ``--tp``/``--cp`` uniform stages of a (dp, pp, sp, tp) mesh."""
         import numpy as np
 
         import torchacc.torch_xla.distributed.spmd as xs
