@@ -288,8 +288,18 @@ def test_mpirun_one_launcher_per_node_with_several_processes_each(tmp_path):
         ),
         (["--model", "gpt-tiny", "--pp", "2"], "--pp 2 needs --fsdp --compiler-opt"),
         (
-            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--tp", "2"],
-            "--tp 2 --pp 2: the launcher's pipeline does not compose with --tp/--cp yet",
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--tp", "2"]
+            + ["--mesh", "1,2"],
+            "--pp 2 --tp 2 --mesh 1,2: fsdp inside the pipeline's stages does not compose",
+        ),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--cp", "2"]
+            + ["--pp_schedule", "GPipe"],
+            "--pp 2 --cp 2 --pp_schedule GPipe: context parallel inside the stages runs the 1F1B",
+        ),
+        (
+            ["--model", "gpt-tiny", "--fsdp", "--compiler-opt", "--pp", "2", "--tp", "4"],
+            "--tp 4 does not divide gpt-tiny's 2 attention heads",
         ),
         (
             [

@@ -163,3 +163,18 @@ def test_without_a_provider_scripts_and_entries_still_launch(tmp_path, capsys, m
         launch.parse_args([])
     err = capsys.readouterr().err
     assert "--model resnet50: no such model here (registered: none)" in err
+
+
+def test_mesh_counts_the_tp_cp_pp_axes(monkeypatch):
+    """``--mesh DATA,FSDP`` times ``--tp`` x ``--cp`` x ``--pp`` must hold the job's devices
+    (e.g. ``--mesh 2,1 --pp 2 --tp 2`` on 8); a wrong product names every axis."""
+    from argparse import Namespace
+
+    from torchacc import launch
+
+    monkeypatch.setenv("CPU_NUM_DEVICES", "8")
+    monkeypatch.setenv("TORCHACC_DEVICE", "cpu")
+    a = dict(fsdp=True, compiler_opt=True, nnodes=1, tp=2, cp=1, pp=2)
+    assert launch._mesh_error(Namespace(mesh="2,1", **a), nproc=1) is None
+    err = launch._mesh_error(Namespace(mesh="1,1", **a), nproc=1)
+    assert err == "--mesh 1,1 x --tp 2 x --pp 2 holds 4 devices; this job has 8", err

@@ -19,9 +19,10 @@ def test_tensor_parallel_cases_on_4_devices():
 def test_launcher_tp_x_cp_matches_eager(tmp_path):
     """``--compiler-opt --fsdp --tp 2 --cp 2`` on 4 CPU devices: gpt-tiny (2 heads, so the cp
     region is the causal zig-zag ring) trains with the eager single-process run's losses; the
-    log shows the 4-axis mesh and each device's parameter bytes. So does ``--pp 2`` on 2 CPU
-    devices: gpt-tiny's two blocks as two pipeline stages (1F1B, 2 micro-batches), the log
-    naming the mesh, the split point and each device's parameter bytes (one stage's)."""
+    log shows the 4-axis mesh and each device's parameter bytes. So does ``--pp 2 --tp 2`` on 4
+    CPU devices: gpt-tiny's two blocks as two uniform pipeline stages, Megatron pairs split
+    over tp inside each (1F1B, 2 micro-batches), the log naming the mesh, the split point and
+    each device's parameter bytes (one stage's tp slice: <= 1/(pp x tp) + 10%)."""
     from spmd_launch import launch_gpt_tiny
 
     proc, sharded = launch_gpt_tiny(
@@ -45,19 +46,20 @@ def test_launcher_tp_x_cp_matches_eager(tmp_path):
         "--compiler-opt",
         "--fsdp",
         "--pp=2",
+        "--tp=2",
         "--max_steps=2",
         "--seq_len=16",
         PJRT_DEVICE="CPU",
-        CPU_NUM_DEVICES=2,
+        CPU_NUM_DEVICES=4,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     log = proc.stdout + proc.stderr
-    line = next((x for x in log.splitlines() if "pp: mesh dp=1 x fsdp=1 x pp=2;" in x), None)
+    line = next((x for x in log.splitlines() if "pp: mesh dp=1 x fsdp=1 x pp=2 x tp=2;" in x), None)
     assert line is not None, log[-4000:]
     assert "stages cut before model.h.1; 2 micro-batches (1f1b)" in line, line
     found = re.findall(r"per device ([\d,]+) \(unsharded ([\d,]+)\)", line)
     per_device, unsharded = (int(v.replace(",", "")) for v in found[0])
-    assert per_device < unsharded, line  # one stage's blocks (the tied embedding on both)
+    assert per_device <= unsharded / 4 * 1.1, line  # one stage's tp slice; the rest on pp x tp
     proc, eager = launch_gpt_tiny(tmp_path, "eager", "--max_steps=2", "--seq_len=16")
     assert proc.returncode == 0, proc.stderr[-4000:]
     for run in (sharded, piped):

@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib.util
+import math
 import os
 import shutil
 import signal
@@ -196,14 +197,17 @@ def _preflight(args: argparse.Namespace, spawning: bool) -> str | None:
 
 
 def _mesh_error(args: argparse.Namespace, nproc: int) -> str | None:
-    """--fsdp --compiler-opt --mesh DATA,FSDP must hold exactly the job's devices (the worker
-    would refuse it only after start-up)."""
+    """--fsdp --compiler-opt --mesh DATA,FSDP times --tp x --cp x --pp must hold exactly the
+    job's devices (the worker would refuse it only after start-up)."""
     if not (getattr(args, "fsdp", False) and args.compiler_opt and args.mesh):
         return None
     data, shards = (int(x) for x in args.mesh.split(","))
+    axes = [(k, getattr(args, k, 1)) for k in ("tp", "cp", "pp")]
+    size = data * shards * math.prod(v for _, v in axes)
     n = args.nnodes * checks.compiler_devices(nproc)
-    if data * shards != n:
-        return f"--mesh {data},{shards} holds {data * shards} devices; this job has {n}"
+    if size != n:
+        times = "".join(f" x --{k} {v}" for k, v in axes if v > 1)
+        return f"--mesh {data},{shards}{times} holds {size} devices; this job has {n}"
     return None
 
 

@@ -231,8 +231,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--mesh",
         default=None,
         metavar="DATA,FSDP",
-        help="with --fsdp --compiler-opt: a data x fsdp mesh (e.g. 2,2; times --tp x --cp "
-        "devices); default 1,<devices / (tp * cp)>",
+        help="with --fsdp --compiler-opt: a data x fsdp mesh (e.g. 2,2; x --tp x --cp x --pp "
+        "devices); default 1,<the rest>, but <the rest>,1 under --pp with --tp/--cp (no fsdp)",
     )
     for name, text in (  # the axes of --fsdp --compiler-opt's mesh (launch_registry.axes_error)
         ("tp", "with --fsdp --compiler-opt: Megatron tensor parallel (heads, MLP) over N devices"),

@@ -185,8 +185,10 @@ def _block_size(model: Model) -> int | None:
 def axes_flag_error(args) -> str | None:
     """The launcher's ``--tp`` / ``--cp`` / ``--pp`` (one line), or None: each is an axis of the
     SPMD mesh of ``--fsdp --compiler-opt`` (data x fsdp x tp x cp, or dp x fsdp x pp) with sizes
-    the model can split; ``--pp`` does not compose with ``--tp``/``--cp``, ``--scan-layers`` or
-    the sharded checkpoints in the launcher yet (one line naming the flags)."""
+    the model can split; ``--pp`` with ``--tp``/``--cp`` runs uniform stages on a (dp, pp, sp,
+    tp) mesh, without fsdp (``--mesh DATA,1``) and, with ``--cp``, 1F1B only; ``--pp`` does not
+    compose with ``--scan-layers`` or the sharded checkpoints in the launcher yet (one line
+    naming the flags)."""
     pp = getattr(args, "pp", 1)
     if pp == 1 and (
         getattr(args, "num_micro_batches", None) is not None
@@ -199,10 +201,17 @@ def axes_flag_error(args) -> str | None:
     if not (args.fsdp and args.compiler_opt):
         return f"{' '.join(axes)} needs --fsdp --compiler-opt (axes of the sharded step's mesh)"
     if pp > 1:
-        if len(axes) > 1:
+        inner = " ".join(a for a in axes if not a.startswith("--pp"))
+        if inner and args.mesh is not None and args.mesh.split(",")[-1].strip() != "1":
             return (
-                f"{' '.join(axes)}: the launcher's pipeline does not compose with --tp/--cp yet "
-                "(run --pp alone, or --tp/--cp without --pp)"
+                f"--pp {pp} {inner} --mesh {args.mesh}: fsdp inside the pipeline's stages does "
+                "not compose with --tp/--cp (uniform stages); the devices left go to dp "
+                "(--mesh DATA,1)"
+            )
+        if getattr(args, "cp", 1) > 1 and getattr(args, "pp_schedule", "1F1B") != "1F1B":
+            return (
+                f"--pp {pp} --cp {args.cp} --pp_schedule {args.pp_schedule}: context parallel "
+                "inside the stages runs the 1F1B schedule only; use --pp_schedule 1F1B"
             )
         if getattr(args, "nnodes", 1) > 1 or getattr(args, "nproc_per_node", 1) not in (1, "cpu"):
             return (

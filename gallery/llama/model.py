@@ -85,9 +85,22 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernels:
             return _rms_norm(x, self.weight, self.eps)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (y * self.weight.float()).to(x.dtype)
+        return _rms_norm_reference(x, self.weight, self.eps)
+
+
+def _rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+@torch.fx.wrap
+def _final_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: bool) -> torch.Tensor:
+    """:class:`RMSNorm` as one call node under ``torch.fx`` (reading the blocks' output once, as
+    uniform pipeline stages ask of the chain's last block)."""
+    if kernels:
+        return torchacc_ops.rms_norm(x, weight, eps)
+    return _rms_norm_reference(x, weight, eps)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -228,6 +241,50 @@ class Llama(nn.Module):
             for layer in self.layers:
                 x = layer(x, cos, sin, *packed)
         return self.lm_head(self.norm(x))
+
+    def chained(self) -> nn.Module:
+        """This model (its own modules and parameters) as ``embed``, then ``x = block(x)`` per
+        block, then ``norm`` and ``lm_head``: each block computes its rotary tables from ``x``'s
+        length (:class:`_Roped`), so the blocks form the one chain that uniform pipeline stages
+        cut (``--pp`` with ``--tp``/``--cp``; Note [Uniform pipeline stages] in
+        torchacc/pipeline/uniform.py). No packed rows, no ``scan_layers``."""
+        if self.scan_layers:
+            raise ValueError("Llama.chained: the blocks are one ScannedLayers (scan_layers=True)")
+        return _Chained(self)
+
+
+class _Roped(nn.Module):
+    """A block as ``x -> block(x, cos, sin)``: the rotary tables of ``x``'s length computed on
+    ``x``'s device with ``torchacc_ops.rotary_cos_sin``'s angles (a block holds no buffer)."""
+
+    def __init__(self, block: Block, head_dim: int, base: float):
+        super().__init__()
+        self.block, self.head_dim, self.base = block, head_dim, base
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        d = self.head_dim
+        inv = 1.0 / (self.base ** (torch.arange(0, d, 2, dtype=torch.float32, device=x.device) / d))
+        angles = torch.outer(torch.arange(x.shape[1], dtype=torch.float32, device=x.device), inv)
+        return self.block(x, angles.cos(), angles.sin())
+
+
+class _Chained(nn.Module):
+    """:meth:`Llama.chained`'s module."""
+
+    def __init__(self, model: Llama):
+        super().__init__()
+        cfg = model.config
+        self.block_size = cfg.block_size
+        self.embed, self.norm, self.lm_head = model.embed, model.norm, model.lm_head
+        head_dim = cfg.n_embd // cfg.n_head
+        self.layers = nn.ModuleList(_Roped(b, head_dim, cfg.rope_base) for b in model.layers)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        check_length(idx.shape[1], self.block_size)
+        x = self.embed(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(_final_norm(x, self.norm.weight, self.norm.eps, self.norm.kernels))
 
 
 class _Carry(nn.Module):

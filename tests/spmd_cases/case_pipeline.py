@@ -405,3 +405,38 @@ def test_uniform_stages_bad_input_is_one_value_error_naming_the_sizes():
     pm = ta.accelerate(model, config=config)
     assert isinstance(pm, UniformPipelineModule)
     assert dict(pm.mesh().shape) == {"dp": 1, "pp": 2, "sp": 1, "tp": 2}
+
+
+def test_launcher_pp_by_cp_front_door_builds_uniform_stages_of_chained_llama(monkeypatch, capsys):
+    """The launcher's ``--fsdp --compiler-opt --pp 2 --cp 2`` front door on llama-tiny (no step
+    run): ``Llama.chained()`` (each block its rotary tables) equals the model in eager fp32, and
+    is cut into uniform stages on a (dp, pp, sp, tp) = (1, 2, 2, 1) mesh, the batch split over
+    dp only; ``--packing`` there is refused by name."""
+    import logging
+    from argparse import Namespace
+
+    from gallery.common.exits import Reported
+    from gallery.common.frontdoors.pipeline import Pipeline
+    from gallery.llama.model import build_llama
+    from torchacc.pipeline.uniform import UniformPipelineModule
+
+    monkeypatch.setenv("RANK", "0")
+    torch.manual_seed(0)
+    model = build_llama("llama-tiny")
+    idx = torch.randint(0, model.config.vocab_size, (2, 8))
+    with torch.no_grad():
+        torch.testing.assert_close(model.chained()(idx), model(idx), rtol=0, atol=1e-5)
+    args = Namespace(
+        pp=2, tp=1, cp=2, mesh=None, num_micro_batches=None, batch_size=8, pp_schedule="1F1B"
+    )
+    door = Pipeline(Namespace(**vars(args), packing=True), logging.getLogger("case"))
+    with pytest.raises(Reported):
+        door.pipeline(model)
+    assert (
+        "--pp 2 --cp 2 --packing: uniform stages compute LLaMA's rotary" in capsys.readouterr().err
+    )
+    door = Pipeline(Namespace(**vars(args), packing=False), logging.getLogger("case"))
+    pm = door.pipeline(model)
+    assert isinstance(pm, UniformPipelineModule) and pm.split_points == ["model.layers.1"]
+    assert dict(pm.mesh().shape) == {"dp": 1, "pp": 2, "sp": 2, "tp": 1}
+    assert door.batch_axes == ("dp",) and door.summary[:5] == (1, 1, 2, 1, 2)

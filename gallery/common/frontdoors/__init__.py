@@ -10,7 +10,8 @@ module             front door                                       flags
 ``eager.py``       eager PyTorch, DDP (the baseline)                (none), ``--torch_compile``
 ``compiler.py``    the TorchAcc recipe on the lazy XLA device       ``--compiler-opt``
 ``fsdp.py``        FSDPv2 through XLA's SPMD partitioner; FSDP2     ``--fsdp [--compiler-opt]``
-``pipeline.py``    pipeline stages on a (dp, fsdp, pp) mesh         ``--fsdp --compiler-opt --pp``
+``pipeline.py``    pipeline stages on a (dp, fsdp, pp) mesh, or     ``--fsdp --compiler-opt --pp``
+                   uniform ones on (dp, pp, sp, tp) with tp / cp    ``[--tp] [--cp]``
 ``parallel.py``    torchacc.parallel's modes                        ``--parallel_mode``
 ``dynamo.py``      the whole step through ``compile_step``          ``--compile_mode=dynamo``
 =================  ===============================================  ===========================

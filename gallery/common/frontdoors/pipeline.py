@@ -2,7 +2,10 @@
 evenly into N stages on the ``pp`` axis of a (dp, fsdp, pp) mesh of every device
 (``torchacc.pipeline``, what ``ta.dist.PipelineParallel`` runs), each step one
 ``forward_backward`` over ``--num_micro_batches`` micro-batches (``--pp_schedule``: 1F1B or
-GPipe), then the optimizer's update of the packed stage parameters.
+GPipe), then the optimizer's update of the packed stage parameters. With ``--tp``/``--cp`` the
+stages are uniform ones (``torchacc.pipeline.uniform``: Megatron's pairs on ``tp`` and context
+parallel on ``sp`` inside each stage) on a (dp, pp, sp, tp) mesh, fsdp size 1 and dp the devices
+left; LLaMA runs as ``Llama.chained()`` (one chain ``x = block(x)``).
 
 The model is traced with ``torch.fx`` through :class:`BatchInputs`, a ``forward`` taking exactly
 the batch's inputs (the token ids, and a packed row's position ids), so an optional argument a
@@ -52,8 +55,8 @@ def even_split_points(model: nn.Module, stages: int) -> list[str]:
 
 class Pipeline(FSDPv2):
     """FSDPv2's set-up (SPMD mode, the sharded batch upload, the memory report after step 2)
-    with the model as a ``PipelineModule`` on a (dp, fsdp, pp) mesh and the step its
-    ``forward_backward``."""
+    with the model as a ``PipelineModule`` on a (dp, fsdp, pp) mesh (with ``--tp``/``--cp`` a
+    ``UniformPipelineModule`` on a (dp, pp, sp, tp) one) and the step its ``forward_backward``."""
 
     batch_axes = ("dp", "fsdp")
     place_before_shard = False  # cut and packed on the host, then placed
@@ -65,59 +68,77 @@ class Pipeline(FSDPv2):
         return model
 
     def pipeline(self, model):
-        """``model`` (on the host) cut into ``--pp`` stages of a (dp, fsdp, pp) mesh."""
+        """``model`` (on the host) cut into ``--pp`` stages of a (dp, fsdp, pp) mesh, or with
+        ``--tp``/``--cp`` uniform stages of a (dp, pp, sp, tp) mesh."""
         import numpy as np
 
         import torchacc.torch_xla.distributed.spmd as xs
         import torchacc.torch_xla.runtime as xr
-        from torchacc.pipeline import PipelineModule
+        from torchacc.pipeline import pipeline_parallel
 
         args, n, pp = self.args, xr.global_runtime_device_count(), self.args.pp
-        rest = n // pp if n % pp == 0 else 0
+        tp, cp = getattr(args, "tp", 1), getattr(args, "cp", 1)
+        inner = tp * cp  # uniform stages (tp / cp inside them): no fsdp, the rest is dp
+        rest = n // (pp * inner) if n % (pp * inner) == 0 else 0
         data, shards = (int(x) for x in args.mesh.split(",")) if args.mesh else (1, rest)
-        if data * shards * pp != n:
+        if inner > 1 and not args.mesh:
+            data, shards = rest, 1
+        flags = f"--pp {pp}" + "".join(f" --{k} {v}" for k, v in (("tp", tp), ("cp", cp)) if v > 1)
+        if data * shards * pp * inner != n:
             line = (
-                f"--mesh {data},{shards} x --pp {pp} holds {data * shards * pp} devices; this "
-                f"job has {n}"
+                f"--mesh {data},{shards} x {flags} holds {data * shards * pp * inner} devices; "
+                f"this job has {n}"
                 if args.mesh
-                else f"--pp {pp} does not divide this job's {n} devices"
+                else f"{flags}: {pp * inner} devices do not divide this job's {n}"
             )
             raise exit_reported(2, f"error: {line}", self.rank)
         micro = args.num_micro_batches or pp
         batch = args.batch_size * self.world_size
         if batch % (micro * data * shards):
             line = (
-                f"--pp {pp}: the global batch of {batch} samples is not divisible by "
+                f"{flags}: the global batch of {batch} samples is not divisible by "
                 f"{micro} micro-batches x {data * shards} data-parallel devices (dp x fsdp)"
             )
             raise exit_reported(2, f"error: {line}", self.rank)
-        self.mesh = xs.Mesh(np.arange(n), (data, shards, pp), ("dp", "fsdp", "pp"))
-        self.cp = 1
+        if inner > 1:  # the engine's uniform-stage mesh; its sp axis is the launcher's --cp
+            self.batch_axes = ("dp",)
+            self.mesh = xs.Mesh(np.arange(n), (data, pp, cp, tp), ("dp", "pp", "sp", "tp"))
+        else:
+            self.mesh = xs.Mesh(np.arange(n), (data, shards, pp), ("dp", "fsdp", "pp"))
+        self.cp = 1  # the batch is split by rows only; the stages split the sequence over sp
         packed = getattr(args, "packing", False)
+        if inner > 1 and hasattr(model, "chained"):  # LLaMA: blocks read (x, cos, sin)
+            if packed:
+                line = (
+                    f"{flags} --packing: uniform stages compute LLaMA's rotary tables from the "
+                    "sequence length; a packed row's position ids do not cross the stages"
+                )
+                raise exit_reported(2, f"error: {line}", self.rank)
+            model = model.chained()  # x = block(x), the chain uniform stages cut
         wrapped = BatchInputs(model, 2 if packed else 1)
         try:
             points = even_split_points(wrapped, pp)
-            module = PipelineModule(
+            module = pipeline_parallel(
                 wrapped,
-                pp,
+                self.mesh.get_jax_mesh(),
                 points,
                 num_micro_batches=micro,
                 schedule=args.pp_schedule,
-                mesh=self.mesh.get_jax_mesh(),
             )
-        except ValueError as e:
-            raise exit_reported(2, f"error: --pp {pp}: {e}", self.rank) from None
-        self.summary = (data, shards, pp, points, micro)
+        except (ValueError, NotImplementedError) as e:
+            raise exit_reported(2, f"error: {flags}: {e}", self.rank) from None
+        self.summary = (data, shards, pp, tp, cp, points, micro)
         return module
 
     def _log_placement(self, model) -> None:
         from torchacc.sharding import api
 
-        data, shards, pp, points, micro = self.summary
+        data, shards, pp, tp, cp, points, micro = self.summary
         per_device = api.per_device_bytes(list(model.parameters()))
         unsharded = sum(p.numel() * p.element_size() for p in model.unpacked().values())
+        axes = "".join(f" x {k}={v}" for k, v in (("cp", cp), ("tp", tp)) if v > 1)
         self.logger.info(
-            f"pp: mesh dp={data} x fsdp={shards} x pp={pp}; stages cut before "
+            f"pp: mesh dp={data} x fsdp={shards} x pp={pp}{axes}; stages cut before "
             f"{', '.join(points)}; {micro} micro-batches ({model.schedule}); parameter bytes per "
             f"device {max(per_device.values()) if per_device else 0:,} (unsharded {unsharded:,})"
         )
