@@ -197,3 +197,30 @@ def test_disk_full_while_saving(tmp_path):
     assert f"error: final checkpoint of step 3 NOT saved in {small}: " in out
     m = json.loads(out_json.read_text())  # training went on and finished
     assert m["steps"] == [0, 1, 2] and len(m["summary"]["save_errors"]) == 2
+
+
+def test_a_signal_inside_torchruns_metrics_wrapper_is_still_the_signal(tmp_path, monkeypatch):
+    """torch's elastic metrics wrapper reads ``start`` in a ``finally``: a SIGTERM landing on
+    ``start = time.time()`` surfaces as an UnboundLocalError whose context is the signal (seen
+    once in CI). The launcher still exits 128 + 15, and other errors still propagate."""
+    import torch.distributed.run as torchrun_module
+    from torch.distributed.elastic.multiprocessing import SignalException
+
+    import torchacc.launch as launch
+
+    def metrics_wrapper_hit_by_sigterm(args):
+        try:
+            raise SignalException("Process 1 got signal: 15", sigval=signal.SIGTERM)
+        finally:
+            raise UnboundLocalError("cannot access local variable 'start'")
+
+    monkeypatch.setattr(torchrun_module, "parse_args", lambda cmd: cmd)
+    monkeypatch.setattr(torchrun_module, "run", metrics_wrapper_hit_by_sigterm)
+    assert launch._run_torchrun(["x"], str(tmp_path)) == 128 + signal.SIGTERM
+
+    def plain_bug(args):
+        raise UnboundLocalError("a bug of its own")
+
+    monkeypatch.setattr(torchrun_module, "run", plain_bug)
+    with pytest.raises(UnboundLocalError, match="a bug of its own"):
+        launch._run_torchrun(["x"], str(tmp_path))

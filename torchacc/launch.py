@@ -426,7 +426,16 @@ def _run_torchrun(cmd: list[str], run_dir: str) -> int:
         if name.startswith("torch.distributed.elastic"):
             logging.getLogger(name).setLevel(logging.ERROR)
     try:
-        torchrun(torchrun_parse_args(cmd))
+        try:
+            torchrun(torchrun_parse_args(cmd))
+        except Exception as e:
+            # A signal that lands on the first line of torch's elastic metrics wrapper (``start =
+            # time.time()``) leaves its ``finally`` reading an unset ``start``: an
+            # UnboundLocalError whose context is the SignalException. It is the signal.
+            signalled = _signal_in_chain(e, (SignalException, _Interrupted))
+            if signalled is None or signalled is e:
+                raise
+            raise signalled from None
     except (SignalException, _Interrupted) as e:
         # torchrun forwarded the signal to the workers and waited for them (30 s, then SIGKILL).
         signum = int(getattr(e, "sigval", None) or e.signum)
@@ -441,6 +450,17 @@ def _run_torchrun(cmd: list[str], run_dir: str) -> int:
         print(f"[launch] training failed:\n{e}", file=sys.stderr)
         return 1
     return 0
+
+
+def _signal_in_chain(error: BaseException, kinds) -> BaseException | None:
+    """The first exception of ``kinds`` in ``error``'s chain (itself, its context or cause)."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, kinds):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 if __name__ == "__main__":
