@@ -126,7 +126,7 @@ def run(
     forkable = argv[0] in ("-m", "-c") or not argv[0].startswith("-")
     server = _server_for(env) if enabled() and forkable else None
     if server is None:
-        return _fresh(cmd, env, cwd, timeout)
+        return fresh(cmd, env, cwd, timeout)
     fd, out_path = tempfile.mkstemp(prefix="prewarmed-", suffix=".out")
     os.close(fd)
     err_path = out_path[: -len(".out")] + ".err"
@@ -147,7 +147,9 @@ def run(
     return subprocess.CompletedProcess(cmd, code, out, err)
 
 
-def _fresh(cmd, env, cwd, timeout):
+def fresh(cmd, env, cwd, timeout):
+    """``cmd`` (any program) in a session of its own, output captured as text; on timeout its
+    whole process group is killed and ``subprocess.TimeoutExpired`` raised."""
     proc = subprocess.Popen(
         cmd,
         env=env,

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
 
 import prewarmed
@@ -25,22 +23,7 @@ CASES = os.path.join(HERE, "spmd_cases")
 def _run(cmd, env, timeout):
     """``cmd`` in a session of its own; on timeout every process of it (torchrun's workers
     too) is killed by process group, then the timeout is raised: nothing hangs or lingers."""
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        cwd=REPO,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.communicate()
-        raise
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    return prewarmed.fresh(cmd, env, REPO, timeout)
 
 
 def run_cases(name, devices=4, extra_env=None, timeout=600):
